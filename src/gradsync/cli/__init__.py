@@ -1,0 +1,54 @@
+"""`gradsync <command>`: one module per subcommand, each with ``register(subparsers)``.
+
+A subcommand module exposes ``register(subparsers) -> argparse.ArgumentParser`` and
+sets ``run`` as the parser default: ``run(args) -> int`` returns the exit code.
+Bad input raises :class:`gradsync.errors.UsageError`; it is printed as one line
+and the exit code is 2, like argparse's own errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ..errors import UsageError
+
+# (module name under gradsync.cli, help line). Adding a command is one line here.
+COMMANDS: list[tuple[str, str]] = [
+    ("train", "train a model data-parallel on K workers (the main job)"),
+    ("verify", "check exactness against one process, or audit the sampler"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gradsync",
+        description="Exact, overlapped data-parallel training for PyTorch.",
+    )
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, help_line in COMMANDS:
+        module = importlib.import_module(f"{__name__}.{name.replace('-', '_')}")
+        module.register(sub, help_line)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except UsageError as e:
+        print(f"gradsync {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"gradsync {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

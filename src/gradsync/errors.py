@@ -1,0 +1,27 @@
+"""Exceptions gradsync raises on purpose, so callers can tell them from bugs."""
+
+from __future__ import annotations
+
+
+class GradsyncError(RuntimeError):
+    """Base class for errors gradsync raises deliberately."""
+
+
+class UsageError(GradsyncError, ValueError):
+    """Bad arguments or configuration; the CLI prints one line and exits with code 2."""
+
+
+class ReplicaMismatchError(GradsyncError):
+    """Ranks disagree on something that must be identical (model structure, drift)."""
+
+
+class UnusedParametersError(GradsyncError):
+    """Parameters received no gradient in a synchronised backward."""
+
+
+class WorkerFailedError(GradsyncError):
+    """A worker process raised, died or timed out; names the rank and its error."""
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None):
+        super().__init__(message)
+        self.failures = dict(failures or {})
