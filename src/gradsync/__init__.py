@@ -3,6 +3,8 @@
 The public API is re-exported here; nothing else lives in this file.
 """
 
+from .dist import init, is_main, rank, shutdown, world_size
+from .engine.data_parallel import DataParallel
 from .errors import (
     GradsyncError,
     ReplicaMismatchError,
@@ -10,14 +12,22 @@ from .errors import (
     UsageError,
     WorkerFailedError,
 )
+from .launch import spawn
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DataParallel",
     "GradsyncError",
     "ReplicaMismatchError",
     "UnusedParametersError",
     "UsageError",
     "WorkerFailedError",
     "__version__",
+    "init",
+    "is_main",
+    "rank",
+    "shutdown",
+    "spawn",
+    "world_size",
 ]

@@ -114,15 +114,21 @@ def broadcast(tensor, src_rank=0, group=None, async_op=False, tag="", meta=None)
                 async_op, tag, meta)
 
 
-def all_gather_into_tensor(output, input, group=None, async_op=False, tag="", meta=None):
+# torch 2.13 renamed the single-tensor collectives; older releases in our range lack the new names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_single(output, input, group=None, async_op=False, tag="", meta=None):
+    """Gather every rank's ``input`` into the flat ``output`` (rank-major)."""
     return _run("all_gather", output,
-                lambda a: dist.all_gather_into_tensor(output, input, group=group, async_op=a),
+                lambda a: _all_gather_single(output, input, group=group, async_op=a),
                 async_op, tag, meta)
 
 
-def reduce_scatter_tensor(output, input, group=None, op=dist.ReduceOp.SUM, async_op=False,
+def reduce_scatter_single(output, input, group=None, op=dist.ReduceOp.SUM, async_op=False,
                           tag="", meta=None):
+    """Sum ``input`` over ranks and leave rank r's equal slice of the result in ``output``."""
     return _run("reduce_scatter", input,
-                lambda a: dist.reduce_scatter_tensor(output, input, op=op, group=group,
-                                                     async_op=a),
+                lambda a: _reduce_scatter_single(output, input, op=op, group=group, async_op=a),
                 async_op, tag, meta)

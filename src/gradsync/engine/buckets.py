@@ -1,0 +1,74 @@
+"""Flat gradient buffers whose slices are the parameters' ``.grad``.
+
+Each bucket owns one contiguous buffer; every parameter in it gets
+``param.grad = buffer[offset:offset + numel].view_as(param)``. Autograd then
+accumulates straight into the buffer, so launching the bucket's collective needs
+no copy (DDP's ``gradient_as_bucket_view``, arXiv 2006.15704 section 3.2.3).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .bucketing import BucketSpec
+
+
+class Bucket:
+    """One bucket's buffer, the views into it and its per-iteration ready count."""
+
+    __slots__ = ("spec", "params", "buffer", "views", "pending", "handle", "launched")
+
+    def __init__(self, spec: BucketSpec, params: list[torch.nn.Parameter]):
+        self.spec = spec
+        self.params = params
+        dtype, device = params[0].dtype, params[0].device
+        self.buffer = torch.zeros(spec.numel, dtype=dtype, device=device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            n = p.numel()
+            self.views.append(self.buffer[offset : offset + n].view_as(p))
+            offset += n
+        self.pending = len(params)
+        self.handle = None
+        self.launched = False
+
+    def attach(self, keep_values: bool = True) -> None:
+        """Make every ``param.grad`` a view into this bucket.
+
+        Existing gradients are copied in (``keep_values``) so a rebuild or a
+        user who assigned ``.grad`` loses nothing; ``None`` becomes zeros.
+        """
+        for p, view in zip(self.params, self.views):
+            g = p.grad
+            if g is view:
+                continue
+            if g is None or not keep_values:
+                view.zero_()
+            else:
+                view.copy_(g)
+            p.grad = view
+
+    def is_view(self, slot: int) -> bool:
+        g = self.params[slot].grad
+        return g is not None and g.data_ptr() == self.views[slot].data_ptr()
+
+    def adopt(self, slot: int) -> None:
+        """Pull a gradient autograd wrote elsewhere (after ``zero_grad(set_to_none)``) into the buffer."""
+        p, view = self.params[slot], self.views[slot]
+        if p.grad is None:
+            view.zero_()
+        else:
+            view.copy_(p.grad)
+        p.grad = view
+
+    def reset(self) -> None:
+        self.pending = len(self.params)
+        self.handle = None
+        self.launched = False
+
+    def detach_grads(self) -> None:
+        """Give every parameter a standalone copy of its gradient (used when unwrapping)."""
+        for p, view in zip(self.params, self.views):
+            if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+                p.grad = view.clone()

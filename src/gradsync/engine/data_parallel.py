@@ -1,0 +1,376 @@
+"""DataParallel: replicas that stay identical and a gradient that is exactly the global mean.
+
+How a synchronised backward runs (DDP paper, arXiv 2006.15704, section 3.2):
+
+1. Gradients accumulate into flat bucket buffers (``param.grad`` is a view).
+2. A post-accumulate-grad hook marks each parameter ready; when a bucket's last
+   gradient lands, that bucket's all-reduce is launched asynchronously, so
+   communication overlaps the rest of backward. Buckets launch strictly in index
+   order on every rank, which keeps collectives matched across ranks whatever
+   order gradients arrive in.
+3. A callback queued on the autograd engine runs once backward is over: it
+   launches anything not yet launched (unused parameters), waits for every
+   bucket and divides. When ``backward()`` returns, gradients are synchronised.
+
+Exactness (seed 003, "sum or mean"): ``backward(loss, num_items=n)`` turns this
+micro-batch's mean loss into a sum by scaling with ``n``; the window's item count
+travels in a 24-byte header all-reduce launched as backward starts (so it hides
+behind compute), and the summed gradient is divided by the *global* item count.
+That is the gradient of the mean loss over every item of the global batch, across
+ranks and ``no_sync`` micro-steps, whatever each one held. Plain
+``loss.backward()`` keeps DDP's convention (divide by world size: an average of
+per-rank means), exact only when every rank holds the same number of items.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import UnusedParametersError, UsageError
+from . import comm
+from .buckets import Bucket
+from .bucketing import BucketSpec, ParamSpec, mb_to_bytes, plan_buckets
+from .replicas import broadcast_module_state, broadcast_tensors, comm_device, verify_same_structure
+
+
+def _tensors_in(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors_in(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors_in(o)
+
+
+def _as_count(num_items) -> float:
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1:
+            raise UsageError(f"num_items must be a scalar, got a tensor of shape {tuple(num_items.shape)}")
+        num_items = num_items.item()
+    try:
+        n = float(num_items)
+    except (TypeError, ValueError):
+        raise UsageError(f"num_items must be a number, got {num_items!r}") from None
+    if not math.isfinite(n) or n < 0:
+        raise UsageError(f"num_items must be a finite number >= 0, got {num_items!r}")
+    return n
+
+
+class DataParallel(nn.Module):
+    """Wrap ``module`` for data-parallel training over ``group`` (default: the world).
+
+    Args:
+        module: the model; identical structure on every rank (checked), rank 0's
+            values are broadcast to all ranks at construction.
+        group: process group; ``None`` means the default (world) group.
+        bucket_cap_mb: cap of a gradient bucket in MiB (DDP's default, 25).
+        first_bucket_mb: cap of the first bucket, small so communication starts early.
+        find_unused_parameters: ``False``: a parameter with no gradient in a
+            synchronised backward is an error naming it. ``True``: it counts as a
+            zero gradient and the step completes on every rank.
+        broadcast_buffers: broadcast rank 0's buffers before every training forward
+            (as DDP does), e.g. BatchNorm running statistics.
+
+    ``state_dict()``/``load_state_dict()`` are the unwrapped module's: checkpoints
+    carry no ``module.`` prefix.
+    """
+
+    def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float = 25,
+                 first_bucket_mb: float = 1, find_unused_parameters: bool = False,
+                 broadcast_buffers: bool = True):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise UsageError("DataParallel needs an initialised process group: call "
+                             "gradsync.init() (torchrun) or run inside gradsync.spawn()")
+        if not isinstance(module, nn.Module):
+            raise UsageError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.bucket_cap_bytes = mb_to_bytes(bucket_cap_mb)
+        self.first_bucket_bytes = mb_to_bytes(first_bucket_mb)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self._comm_device = comm_device(group)
+
+        verify_same_structure(module, group, what="DataParallel")
+        broadcast_module_state(module, group)
+
+        aliases: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        self._params: list[nn.Parameter] = []
+        self._names: list[str] = []
+        for name, p in module.named_parameters():
+            if p.requires_grad:
+                self._params.append(p)
+                self._names.append(" = ".join(aliases[id(p)]))
+        devices = {p.device for p in self._params}
+        if len(devices) > 1:
+            raise UsageError(f"DataParallel expects a module on one device, found {sorted(map(str, devices))}")
+        self._specs = [ParamSpec(n, p.numel(), p.element_size(), str(p.dtype).replace("torch.", ""))
+                       for n, p in zip(self._names, self._params)]
+        self._buffers_to_sync = [b for b in module.buffers() if b.numel()]
+
+        self._require_sync = True
+        self._forward_sync: bool | None = None
+        self._in_backward = False
+        self._syncing = False
+        self._pass_accounted = False
+        self._win_items = 0.0
+        self._win_item_passes = 0
+        self._win_plain_passes = 0
+        self._ready: list[bool] = [False] * len(self._params)
+        self._next_bucket = 0
+        self._meta: comm.Pending | None = None
+        self._order_log: list[int] | None = None
+        self._rebuilt = False
+        self._hooks: list = []
+
+        self._install_buckets(plan_buckets(self._specs, self.bucket_cap_bytes, self.first_bucket_bytes))
+        for i, p in enumerate(self._params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
+
+    # ------------------------------------------------------------------ layout
+    def _install_buckets(self, specs: list[BucketSpec]) -> None:
+        self._buckets = [Bucket(s, [self._params[i] for i in s.params]) for s in specs]
+        self._where: list[tuple[Bucket, int]] = [None] * len(self._params)  # type: ignore[list-item]
+        for b in self._buckets:
+            for slot, i in enumerate(b.spec.params):
+                self._where[i] = (b, slot)
+            b.attach(keep_values=True)
+
+    @property
+    def bucket_plan(self) -> list[BucketSpec]:
+        """The bucket assignment in use (launch order), as the planner sees it."""
+        return [b.spec for b in self._buckets]
+
+    @property
+    def param_specs(self) -> list[ParamSpec]:
+        """Trainable parameters in registration order (tied weights once)."""
+        return list(self._specs)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args, **kwargs):
+        grad_on = torch.is_grad_enabled()
+        if grad_on:
+            if not self._in_backward:
+                self._forward_sync = self._require_sync
+            if self.broadcast_buffers and self._buffers_to_sync and self.training:
+                broadcast_tensors(self._buffers_to_sync, self.group, tag="buffers")
+            for b in self._buckets:
+                b.attach(keep_values=True)
+        out = self.module(*args, **kwargs)
+        if grad_on:
+            for t in _tensors_in(out):
+                if t.requires_grad:
+                    t.register_hook(self._output_grad_hook)
+        return out
+
+    def _output_grad_hook(self, grad):
+        self._start_pass()
+        return None
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, loss: torch.Tensor | None = None, num_items=None, **backward_kwargs) -> None:
+        """Backward with the exact global mean when ``num_items`` is given.
+
+        ``loss`` is the mean over this micro-batch's ``num_items`` items (samples or
+        tokens). With ``num_items=0`` the loss is ignored (it may be ``None`` or NaN,
+        as a mean over nothing is) and this rank joins the synchronisation with a
+        zero contribution, so ranks with uneven data never leave others waiting.
+        """
+        if num_items is None:
+            if loss is None:
+                raise UsageError("backward() needs a loss (or num_items=0 for an empty micro-batch)")
+            loss.backward(**backward_kwargs)
+            return
+        n = _as_count(num_items)
+        if self._in_backward:
+            raise UsageError("backward() called while another backward through this model is running")
+        self._win_items += n
+        self._win_item_passes += 1
+        self._pass_accounted = True
+        try:
+            if n == 0:
+                torch.autograd.backward(self._params, [torch.zeros_like(p) for p in self._params])
+            else:
+                if loss is None:
+                    raise UsageError(f"backward() got num_items={num_items} but no loss")
+                (loss * n).backward(**backward_kwargs)
+        finally:
+            self._pass_accounted = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally with no communication at all.
+
+        The decision is taken at forward time (as in DDP): run the micro-step's
+        forward and backward inside the context; the next synchronised backward
+        reduces everything accumulated since the last sync, once.
+        """
+        previous = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    def _start_pass(self) -> None:
+        if self._in_backward:
+            return
+        self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if not self._pass_accounted:
+            self._win_plain_passes += 1
+            self._pass_accounted = True
+        sync = self._forward_sync if self._forward_sync is not None else self._require_sync
+        self._syncing = sync
+        if not sync:
+            return
+        self._ready = [False] * len(self._params)
+        self._next_bucket = 0
+        header = torch.tensor([self._win_items, self._win_item_passes, self._win_plain_passes],
+                              dtype=torch.float64, device=self._comm_device)
+        self._meta = comm.all_reduce(header, self.group, async_op=True, tag="header")
+        self._meta_tensor = header
+        if not self._rebuilt:
+            self._order_log = []
+
+    def _make_hook(self, i: int):
+        def hook(param):
+            if not self._in_backward:
+                self._start_pass()
+            bucket, slot = self._where[i]
+            if not bucket.is_view(slot):
+                bucket.adopt(slot)
+            if not self._syncing:
+                return
+            if self._ready[i]:
+                raise UsageError(f"parameter {self._names[i]!r} received its gradient twice in one "
+                                 "backward; reentrant activation checkpointing is not supported, "
+                                 "use torch.utils.checkpoint(..., use_reentrant=False)")
+            self._ready[i] = True
+            if self._order_log is not None:
+                self._order_log.append(i)
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch_ready_buckets()
+        return hook
+
+    def _launch_ready_buckets(self) -> None:
+        buckets = self._buckets
+        while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
+            b = buckets[self._next_bucket]
+            b.handle = comm.all_reduce(b.buffer, self.group, async_op=True,
+                                       tag=f"bucket{b.spec.index}",
+                                       meta={"bucket": b.spec.index, "params": len(b.params)})
+            b.launched = True
+            self._next_bucket += 1
+
+    def _end_of_backward(self) -> None:
+        try:
+            if self._syncing:
+                self._finish_sync()
+        finally:
+            self._in_backward = False
+            self._syncing = False
+            self._forward_sync = None
+            for b in self._buckets:
+                b.reset()
+
+    def _finish_sync(self) -> None:
+        missing = [i for i, ready in enumerate(self._ready) if not ready]
+        for i in missing:  # zero contribution; launch so no peer waits on us
+            bucket, slot = self._where[i]
+            if not bucket.is_view(slot):
+                bucket.adopt(slot)
+            bucket.pending -= 1
+        self._launch_ready_buckets()
+        self._meta.wait()
+        items, item_passes, plain_passes = self._meta_tensor.tolist()
+        for b in self._buckets:
+            b.handle.wait()
+        self._meta = None
+        window = (self._win_items, self._win_item_passes, self._win_plain_passes)
+        self._win_items, self._win_item_passes, self._win_plain_passes = 0.0, 0, 0
+        if missing and not self.find_unused_parameters:
+            self._order_log = None
+            names = ", ".join(repr(self._names[i]) for i in missing)
+            raise UnusedParametersError(
+                f"rank {self.rank}: {len(missing)} parameter(s) received no gradient in this "
+                f"synchronised backward: {names}. Make every parameter take part in the loss, "
+                "freeze them (requires_grad=False), or pass find_unused_parameters=True to "
+                "treat them as zero gradients")
+        if item_passes and plain_passes:
+            raise UsageError(
+                f"this accumulation window mixed backward(loss, num_items=n) ({int(item_passes)} "
+                f"passes over all ranks) with plain loss.backward() ({int(plain_passes)} passes); "
+                f"use one or the other on every rank and micro-step (rank {self.rank} had "
+                f"{window[1]} and {window[2]})")
+        if item_passes:
+            if items <= 0:
+                raise UsageError("the global batch holds no items (num_items summed to 0 over all "
+                                 "ranks and micro-steps); the mean loss is undefined")
+            divisor = items
+        else:
+            divisor = float(self.world_size)
+        for b in self._buckets:
+            b.buffer.div_(divisor)
+        if self._order_log is not None:
+            order = self._order_log + [i for i in range(len(self._params)) if i not in set(self._order_log)]
+            self._order_log = None
+            self._rebuild(order)
+
+    def _rebuild(self, local_order: list[int]) -> None:
+        """Rebuild buckets once, in the order gradients became ready on rank 0.
+
+        Rank 0's order is broadcast so every rank builds the same buckets (ranks
+        must launch identical collectives in identical order).
+        """
+        order = torch.tensor(local_order, dtype=torch.int64, device=self._comm_device)
+        comm.broadcast(order, 0, self.group, tag="rebuild")
+        self._rebuilt = True
+        specs = plan_buckets(self._specs, self.bucket_cap_bytes, self.first_bucket_bytes,
+                             order=order.tolist())
+        if [s.params for s in specs] != [b.spec.params for b in self._buckets]:
+            self._install_buckets(specs)
+
+    # ------------------------------------------------------------------ housekeeping
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the bucket buffers in place (gradients stay views into them)."""
+        for b in self._buckets:
+            b.buffer.zero_()
+            if not set_to_none:
+                b.attach(keep_values=True)
+        if set_to_none:
+            for p in self._params:
+                p.grad = None
+
+    def unwrap(self) -> nn.Module:
+        """Remove every hook and give gradients their own storage; returns the module."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for b in self._buckets:
+            b.detach_grads()
+        return self.module
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def extra_repr(self) -> str:
+        return (f"world_size={self.world_size}, buckets={len(self._buckets)}, "
+                f"bucket_cap_mb={self.bucket_cap_bytes / 2**20:g}, "
+                f"find_unused_parameters={self.find_unused_parameters}")

@@ -1,0 +1,120 @@
+"""Establish, rather than trust, that every replica starts identical.
+
+Two steps at construction: check that all ranks hold the same parameter and
+buffer names, shapes and dtypes (a 32-byte digest per rank in one small
+collective; the full listing is gathered only when digests differ, to name the
+first mismatch), then broadcast rank 0's values. A mismatch raises the same
+message on every rank, so no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ReplicaMismatchError
+from . import comm
+
+_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def comm_device(group=None) -> torch.device:
+    """Device tensors must live on for collectives of this group's backend."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def structure(module: nn.Module) -> list[tuple[str, str, tuple[int, ...], str, bool]]:
+    """(kind, name, shape, dtype, requires_grad) of every parameter and buffer, in order."""
+    rows = [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad)
+            for n, p in module.named_parameters()]
+    rows += [("buffer", n, tuple(b.shape), str(b.dtype), False)
+             for n, b in module.named_buffers()]
+    return rows
+
+
+def _describe(row) -> str:
+    if row is None:
+        return "no such entry"
+    kind, name, shape, dtype, rg = row
+    frozen = "" if kind == "buffer" or rg else " (frozen)"
+    return f"{kind} {name!r} shape {tuple(shape)} {dtype.replace('torch.', '')}{frozen}"
+
+
+def first_mismatch(listings: list[list]) -> str | None:
+    """Describe the first entry where ranks disagree, naming it and the ranks involved."""
+    longest = max(len(rows) for rows in listings)
+    for i in range(longest):
+        rows = [r[i] if i < len(r) else None for r in listings]
+        if all(r == rows[0] for r in rows):
+            continue
+        name = next(r[1] for r in rows if r is not None)
+        differing = [k for k, r in enumerate(rows) if r != rows[0]]
+        parts = [f"rank 0 has {_describe(rows[0])}"]
+        parts += [f"rank {k} has {_describe(rows[k])}" for k in differing]
+        ranks = ", ".join(str(k) for k in [0, *differing])
+        return f"model differs across ranks at {name!r} (entry #{i}; ranks {ranks}): " + "; ".join(parts)
+    return None
+
+
+def verify_same_structure(module: nn.Module, group=None, what: str = "DataParallel") -> None:
+    """Raise ReplicaMismatchError on every rank if any rank's model differs."""
+    rows = structure(module)
+    digest = hashlib.sha256(repr(rows).encode()).digest()
+    dev = comm_device(group)
+    mine = torch.tensor(list(digest), dtype=torch.uint8, device=dev)
+    world = dist.get_world_size(group)
+    everyone = torch.empty(world * len(digest), dtype=torch.uint8, device=dev)
+    comm.all_gather_single(everyone, mine, group=group, tag="verify")
+    digests = everyone.view(world, -1).cpu()
+    if bool((digests == digests[0]).all()):
+        return
+    listings: list = [None] * world
+    dist.all_gather_object(listings, rows, group=group)
+    detail = first_mismatch(listings) or "structure digests differ"
+    raise ReplicaMismatchError(f"{what}: {detail}")
+
+
+def _chunks(tensors: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
+    chunk, size = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if chunk and size + nbytes > _CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(t)
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], group=None, src_rank: int = 0,
+                      tag: str = "broadcast") -> None:
+    """Overwrite ``tensors`` in place with ``src_rank``'s values, coalesced by dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    dev = comm_device(group)
+    for dtype in sorted(by_dtype, key=str):
+        for chunk in _chunks(by_dtype[dtype]):
+            flat = torch.cat([t.detach().reshape(-1).to(dev) for t in chunk])
+            comm.broadcast(flat, src_rank=src_rank, group=group, tag=tag)
+            offset = 0
+            with torch.no_grad():
+                for t in chunk:
+                    n = t.numel()
+                    t.copy_(flat[offset : offset + n].view_as(t))
+                    offset += n
+
+
+def broadcast_module_state(module: nn.Module, group=None, src_rank: int = 0) -> None:
+    """Copy ``src_rank``'s parameters and buffers into every other rank's module."""
+    tensors = [p.data for p in module.parameters()] + list(module.buffers())
+    broadcast_tensors(tensors, group, src_rank, tag="init-broadcast")

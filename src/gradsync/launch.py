@@ -1,0 +1,160 @@
+"""Start K workers with torch's elastic launcher (the machinery behind torchrun).
+
+``spawn`` is what tests, examples and notebooks use; ``gradsync train`` uses the
+same :func:`launch`. Workers start from a forkserver that has already imported
+torch, so a launch costs a fraction of a second instead of a fresh interpreter
+per worker. If any worker raises or dies, the elastic agent stops the others and
+:class:`WorkerFailedError` names the failed rank and its error; processes are
+never left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import re
+import signal
+import threading
+import uuid
+from collections.abc import Callable
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from . import dist as gdist
+from .errors import UsageError, WorkerFailedError
+
+# Failures that are consequences of another rank's failure, not causes.
+_SECONDARY = re.compile(
+    r"Connection (closed|reset)|Broken pipe|ECONNRESET|Timed out|timed out|DistBackendError|"
+    r"peer|SIGTERM|Signal 15", re.IGNORECASE)
+
+_preloaded = False
+
+
+def _preload_forkserver() -> None:
+    global _preloaded
+    if not _preloaded:
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "gradsync.launch"])
+        _preloaded = True
+
+
+@record
+def _worker_entry(fn: Callable, backend: str | None, timeout_s: float | None,
+                  threads: int, args: tuple):
+    torch.set_num_threads(threads)
+    gdist.init(backend, timeout_s)
+    try:
+        return fn(*args)
+    finally:
+        gdist.shutdown()
+
+
+def _failure_text(failure) -> str:
+    msg = failure.message
+    if isinstance(msg, dict):
+        text = msg.get("message", "")
+        stack = msg.get("extraInfo", {}).get("py_callstack", "")
+        return text + (f"\n{stack}" if stack and text not in ("", stack) else "")
+    if failure.exitcode < 0:
+        return f"killed by signal {failure.signal_name()}"
+    if not msg or "enable traceback" in msg:
+        return f"exited with code {failure.exitcode} without raising a Python exception"
+    return str(msg)
+
+
+def _summary_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    for ln in lines:
+        if not ln.startswith((" ", "Traceback")):
+            return ln.strip()
+    return lines[-1].strip() if lines else "unknown error"
+
+
+def describe_failures(err: ChildFailedError) -> WorkerFailedError:
+    """Turn elastic's failure record into one error naming the root-cause rank."""
+    texts = {rank: _failure_text(f) for rank, f in err.failures.items()}
+    stamps = {rank: f.timestamp for rank, f in err.failures.items()}
+
+    def key(rank):
+        secondary = bool(_SECONDARY.search(_summary_line(texts[rank])))
+        return (secondary, stamps[rank], rank)
+
+    ordered = sorted(texts, key=key)
+    root = ordered[0]
+    lines = [f"worker rank {root} failed: {_summary_line(texts[root])}"]
+    others = [r for r in ordered[1:]]
+    if others:
+        lines.append("also failed: " + "; ".join(
+            f"rank {r}: {_summary_line(texts[r])}" for r in others))
+    lines.append(f"--- rank {root} ---\n{texts[root].rstrip()}")
+    return WorkerFailedError("\n".join(lines), texts)
+
+
+@contextlib.contextmanager
+def _quiet_elastic():
+    """Elastic logs every failure at ERROR level; our exception says it once, clearly."""
+    logger = logging.getLogger("torch.distributed.elastic")
+    previous = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+@contextlib.contextmanager
+def _restore_signal_handlers():
+    """The agent installs handlers for SIGINT/SIGTERM; put the caller's back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT]
+    saved = {s: signal.getsignal(s) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def launch(fn: Callable, nproc: int, args: tuple = (), *, backend: str | None = None,
+           timeout_s: float | None = None, threads: int = 1,
+           rdzv_endpoint: str = "localhost:0", nnodes: int = 1, run_id: str | None = None,
+           quiet: bool = True) -> dict[int, object]:
+    """Run ``fn(*args)`` on ``nproc`` local workers (of ``nnodes`` nodes) with the group set up.
+
+    Returns ``{global rank: return value}`` for this node's workers.
+    """
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise UsageError(f"number of worker processes must be an integer >= 1, got {nproc!r}")
+    gdist.resolve_backend(backend)
+    _preload_forkserver()
+    config = LaunchConfig(
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
+        rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint,
+        run_id=run_id or f"gradsync-{uuid.uuid4().hex[:12]}",
+        max_restarts=0, monitor_interval=0.05, start_method="forkserver",
+    )
+    quiet_ctx = _quiet_elastic() if quiet else contextlib.nullcontext()
+    with quiet_ctx, _restore_signal_handlers():
+        try:
+            return elastic_launch(config, _worker_entry)(fn, backend, timeout_s, threads, args)
+        except ChildFailedError as err:
+            raise describe_failures(err) from None
+
+
+def spawn(fn: Callable, world_size: int, *args, backend: str | None = None,
+          timeout_s: float | None = None, threads: int = 1) -> list:
+    """Run ``fn(*args)`` on ``world_size`` local processes; return their results by rank.
+
+    ``fn`` must be importable by name (a module-level function). Each worker has
+    the default process group initialised (gloo on CPU, NCCL with CUDA) with a
+    collective timeout of ``timeout_s`` (default ``GRADSYNC_TIMEOUT_S`` or 300 s)
+    and ``threads`` intra-op threads. If a worker raises or dies, the others are
+    stopped and :class:`gradsync.WorkerFailedError` names the failed rank.
+    """
+    results = launch(fn, world_size, args, backend=backend, timeout_s=timeout_s, threads=threads)
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,102 @@
+"""Models, data and single-process references shared by the distributed tests.
+
+Workers run in other processes, so everything here is importable by name and
+deterministic from a seed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+D_IN, D_OUT = 6, 3
+
+
+def mlp(seed: int = 0, hidden: int = 12, depth: int = 2) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(D_IN, hidden), nn.Tanh()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(hidden, hidden), nn.Tanh()]
+    layers.append(nn.Linear(hidden, D_OUT))
+    return nn.Sequential(*layers).double()
+
+
+def dataset(n: int = 96, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, D_IN, generator=g, dtype=torch.float64)
+    y = torch.randn(n, D_OUT, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def make_optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+    raise ValueError(kind)
+
+
+def mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def even_schedule(steps: int, world: int, per_rank: int, n: int):
+    """schedule[step][rank] = [micro-batch index lists]; equal shards, one micro-step."""
+    sched = []
+    for s in range(steps):
+        base = (s * world * per_rank) % n
+        sched.append([[[(base + r * per_rank + i) % n for i in range(per_rank)]]
+                      for r in range(world)])
+    return sched
+
+
+def reference_train(model: nn.Module, opt_kind: str, schedule, x, y, loss_fn=mse,
+                    clip: float | None = None):
+    """One process over the whole global batch of every step: the ground truth."""
+    opt = make_optimizer(opt_kind, model.parameters())
+    for step in schedule:
+        idx = [i for rank in step for micro in rank for i in micro]
+        loss = loss_fn(model(x[idx]), y[idx])
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def dp_train(dp, opt_kind: str, schedule, x, y, rank: int, loss_fn=mse, use_items: bool = True,
+             clip: float | None = None):
+    """This rank's side of the same schedule through a gradsync.DataParallel."""
+    opt = make_optimizer(opt_kind, dp.parameters())
+    for step in schedule:
+        micros = step[rank]
+        for k, idx in enumerate(micros):
+            last = k == len(micros) - 1
+            ctx = dp.no_sync() if not last else _null()
+            with ctx:
+                if not idx:
+                    dp.backward(None, num_items=0)
+                    continue
+                loss = loss_fn(dp(x[idx]), y[idx])
+                if use_items:
+                    dp.backward(loss, num_items=len(idx))
+                else:
+                    loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(dp.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in dp.module.parameters()]
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def max_gap(a, b) -> float:
+    return max(float((p - q).abs().max()) for p, q in zip(a, b))
