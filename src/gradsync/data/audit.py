@@ -100,10 +100,17 @@ def render_audit(audit: SamplerAudit, title: str = "sampler audit") -> Table:
         table.add_row(str(rank), str(c))
     table.add_section()
     table.add_row("total", f"{audit.total_consumed} of {audit.dataset_len}")
-    dup = ", ".join(f"{i}<-{r}" for i, r in list(audit.duplicated.items())[:5])
-    table.add_row("duplicate draws", f"{audit.n_duplicate_draws}" + (f" ({dup}...)" if dup else ""))
-    miss = ", ".join(map(str, audit.missing[:8]))
-    table.add_row("missing", f"{len(audit.missing)}" + (f" ({miss}...)" if miss else ""))
+    dups = [f"{i} by ranks {r}" for i, r in audit.duplicated.items()]
+    table.add_row("duplicate draws", f"{audit.n_duplicate_draws}{_examples(dups, 3)}")
+    table.add_row("missing", f"{len(audit.missing)}{_examples(audit.missing, 8)}")
     verdict = "[green]partition[/]" if audit.is_partition else "[red]not a partition[/]"
     table.add_row("verdict", verdict)
     return table
+
+
+def _examples(items: list, k: int) -> str:
+    """`` (a, b, ...)``: the first ``k`` items, with an ellipsis when cut short."""
+    if not items:
+        return ""
+    more = ", ..." if len(items) > k else ""
+    return f" ({', '.join(map(str, items[:k]))}{more})"

@@ -43,9 +43,7 @@ def build_model(name: str, **overrides) -> nn.Module:
 
 def count_parameters(module: nn.Module, trainable_only: bool = False) -> int:
     """Number of parameter elements, each shared (tied) Parameter counted once."""
-    return sum(
-        p.numel() for p in module.parameters() if p.requires_grad or not trainable_only
-    )
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
 
 
 __all__ = [
