@@ -41,3 +41,26 @@ def test_render_mentions_the_verdict():
     assert "epoch 0" in text and "not a partition" in text and "missing" in text
     console.print(render_audit(SamplerAudit(2, 1, [2], total_consumed=2)))
     assert "partition" in console.export_text()
+
+
+@pytest.fixture
+def world_of_one():
+    """A real gloo group of size 1 in this process, so the collective path runs."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_audit_collectives_in_a_world_of_one(world_of_one):
+    from gradsync.data import DistributedSampler, audit_indices, audit_sampler
+
+    sampler = DistributedSampler(range(9), mode="pad")  # world size/rank from the group
+    assert (sampler.num_replicas, sampler.rank) == (1, 0)
+    assert audit_sampler(sampler, epoch=2).is_partition
+    a = audit_indices([3, 3, 0], 4)
+    assert a.duplicated == {3: [0, 0]} and a.missing == [1, 2]

@@ -193,7 +193,11 @@ class DistributedSampler(Sampler[int]):
 
         The fields that define the order must match, otherwise the remaining
         indices would be a different set and the epoch would silently repeat or
-        skip samples. ``rank`` may differ (a rank may load another's state).
+        skip samples. ``rank`` is recorded but not checked, so a rank may adopt
+        another's position. A state saved at the end of an epoch resumes to an
+        empty pass; the loop then moves on with ``set_epoch(epoch + 1)``.
+        Calling ``set_epoch`` with the saved epoch keeps the offset, so the
+        usual ``for epoch in ...: sampler.set_epoch(epoch)`` loop resumes cleanly.
         """
         for key in ("seed", "mode", "shuffle", "num_replicas", "dataset_len"):
             mine, theirs = getattr(self, key), sd.get(key)
