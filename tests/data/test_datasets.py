@@ -1,0 +1,86 @@
+"""The stdlib corpus, token windows, random tokens and the seed's regression data."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from gradsync.data import (
+    RegressionDataset,
+    TokenWindows,
+    make_regression,
+    random_tokens,
+    stdlib_bytes,
+    stdlib_tokens,
+)
+from gradsync.data.corpus import stdlib_files
+
+
+def test_corpus_is_deterministic_bounded_and_fast():
+    t0 = time.perf_counter()
+    a = stdlib_tokens()
+    assert time.perf_counter() - t0 < 1.0
+    b = stdlib_tokens()
+    assert torch.equal(a, b)
+    assert a.dtype == torch.uint8 and a.dim() == 1
+    assert 0 < a.numel() <= 4 * 1024 * 1024
+    assert int(a.max()) < 256
+    assert stdlib_bytes(1000) == stdlib_bytes()[:1000]
+
+
+def test_corpus_skips_tests_and_vendored_dirs():
+    files = stdlib_files()
+    assert files == sorted(files) and files
+    for skipped in ("test", "tests", "idlelib", "site-packages", "lib2to3"):
+        assert not any(f"/{skipped}/" in f for f in files), skipped
+
+
+def test_token_windows_shift_by_one():
+    tokens = torch.arange(23, dtype=torch.uint8)
+    ds = TokenWindows(tokens, seq_len=4)
+    assert len(ds) == 23 // 5
+    x, y = ds[1]
+    assert x.dtype == y.dtype == torch.int64
+    assert x.tolist() == [5, 6, 7, 8] and y.tolist() == [6, 7, 8, 9]
+    assert torch.equal(ds[-1][0], ds[len(ds) - 1][0])
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+    with pytest.raises(ValueError, match="too few"):
+        TokenWindows(tokens[:4], seq_len=4)
+
+
+def test_token_windows_on_corpus():
+    ds = TokenWindows(stdlib_tokens(10_000), seq_len=64)
+    x, y = ds[3]
+    assert torch.equal(x[1:], y[:-1])
+
+
+def test_random_tokens():
+    a = random_tokens(1000, seed=1)
+    assert a.dtype == torch.int64 and 0 <= int(a.min()) and int(a.max()) < 256
+    assert torch.equal(a, random_tokens(1000, seed=1))
+    assert not torch.equal(a, random_tokens(1000, seed=2))
+
+
+def test_regression_matches_numpy_default_rng_7():
+    X, y = make_regression()
+    rng = np.random.default_rng(7)
+    X_ref = rng.standard_normal((4096, 16))
+    w_star = rng.standard_normal((16, 1))
+    y_ref = np.tanh(X_ref @ w_star) + 0.05 * rng.standard_normal((4096, 1))
+    assert X.dtype == y.dtype == torch.float64
+    assert X.shape == (4096, 16) and y.shape == (4096, 1)
+    assert X[0, :4].tolist() == X_ref[0, :4].tolist()
+    assert np.array_equal(X.numpy(), X_ref) and np.array_equal(y.numpy(), y_ref)
+
+
+def test_regression_dataset():
+    ds = RegressionDataset(n=64, d=4)
+    assert len(ds) == 64
+    x, y = ds[5]
+    assert x.shape == (4,) and y.shape == (1,)
+    with pytest.raises(ValueError, match="rows"):
+        RegressionDataset(torch.zeros(3, 2), torch.zeros(4, 1))
