@@ -58,7 +58,9 @@ def _env_int(name: str) -> int:
     try:
         return int(os.environ[name])
     except ValueError:
-        raise UsageError(f"environment variable {name}={os.environ[name]!r} is not an integer") from None
+        raise UsageError(
+            f"environment variable {name}={os.environ[name]!r} is not an integer"
+        ) from None
 
 
 def info() -> DistInfo:
@@ -82,14 +84,14 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
     if missing:
         raise UsageError(
             f"not launched by torchrun or gradsync: {', '.join(missing)} unset. Run under "
-            "`torchrun --nproc-per-node N script.py`, `gradsync train`, or gradsync.spawn()")
+            "`torchrun --nproc-per-node N script.py`, `gradsync train`, or gradsync.spawn()"
+        )
     backend = resolve_backend(backend)
     local_rank = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else 0
     timeout = timedelta(seconds=timeout_s if timeout_s is not None else default_timeout_s())
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", timeout=timeout,
-                                device_id=torch.device("cuda", local_rank))
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local_rank))
     else:
         dist.init_process_group("gloo", timeout=timeout)
     return info()

@@ -13,14 +13,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
 import re
 import signal
+import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from . import dist as gdist
@@ -31,6 +34,7 @@ _SECONDARY = re.compile(
     r"Connection (closed|reset)|Broken pipe|ECONNRESET|Timed out|timed out|DistBackendError|"
     r"peer|SIGTERM|Signal 15", re.IGNORECASE)
 
+_ECHO_GRACE_S = 3.0
 _preloaded = False
 
 
@@ -41,15 +45,35 @@ def _preload_forkserver() -> None:
         _preloaded = True
 
 
-@record
+def _record_and_die(exc: BaseException) -> None:
+    """Write elastic's error file for this rank, then exit at once.
+
+    Exiting without first tearing the process group down matters: the peers'
+    collectives fail only when this process is gone, so the agent always sees
+    the root cause exit first and names the right rank.
+    """
+    if _SECONDARY.search(f"{type(exc).__name__}: {exc}"):
+        # A peer's death surfaced here as a broken connection. Give the agent time
+        # to see the peer exit first, so the report names the cause, not the echo.
+        time.sleep(_ECHO_GRACE_S)
+    try:
+        ErrorHandler().record_exception(exc)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
+
+
 def _worker_entry(fn: Callable, backend: str | None, timeout_s: float | None,
                   threads: int, args: tuple):
     torch.set_num_threads(threads)
-    gdist.init(backend, timeout_s)
     try:
-        return fn(*args)
-    finally:
-        gdist.shutdown()
+        gdist.init(backend, timeout_s)
+        result = fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the agent
+        _record_and_die(exc)
+    gdist.shutdown()
+    return result
 
 
 def _failure_text(failure) -> str:

@@ -59,8 +59,9 @@ class Shuffled(nn.Module):
 
 def _run(factory, schedule, opt="sgd", find_unused=False, cap=0.0002):
     x, y = dataset()
-    dp = gs.DataParallel(factory(), bucket_cap_mb=cap, first_bucket_mb=cap,
-                         find_unused_parameters=find_unused)
+    dp = gs.DataParallel(
+        factory(), bucket_cap_mb=cap, first_bucket_mb=cap, find_unused_parameters=find_unused
+    )
     params = dp_train(dp, opt, schedule, x, y, gs.rank())
     return params, dp.bucket_plan, [s.name for s in dp.param_specs]
 
@@ -149,9 +150,14 @@ def _count_collectives(accum):
     dp = gs.DataParallel(Shuffled(), bucket_cap_mb=0.001, first_bucket_mb=0.0005)
     opt = torch.optim.SGD(dp.parameters(), lr=0.1)
     per_step = []
-    for step in range(3):
-        events = []
-        with comm.add_observer(lambda kind, ev: events.append(ev.tag) if kind == "launch" else None):
+    for _ in range(3):
+        events: list = []
+
+        def record(kind, ev, events=events):
+            if kind == "launch":
+                events.append(ev.tag)
+
+        with comm.add_observer(record):
             for k in range(accum):
                 idx = list(range(k * 4, k * 4 + 4))
                 if k < accum - 1:
@@ -196,8 +202,11 @@ def test_mismatched_models_error_on_every_rank():
 
 
 def _hooks_left(model):
-    return sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()
-               if getattr(p, "_post_accumulate_grad_hooks", None) is not None)
+    return sum(
+        len(p._post_accumulate_grad_hooks or {})
+        for p in model.parameters()
+        if getattr(p, "_post_accumulate_grad_hooks", None) is not None
+    )
 
 
 def _wrap_unwrap_rewrap():

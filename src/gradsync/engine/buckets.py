@@ -54,7 +54,7 @@ class Bucket:
         return g is not None and g.data_ptr() == self.views[slot].data_ptr()
 
     def adopt(self, slot: int) -> None:
-        """Pull a gradient autograd wrote elsewhere (after ``zero_grad(set_to_none)``) into the buffer."""
+        """Pull in a gradient autograd wrote elsewhere (e.g. after ``zero_grad(set_to_none)``)."""
         p, view = self.params[slot], self.views[slot]
         if p.grad is None:
             view.zero_()

@@ -33,8 +33,8 @@ from torch import nn
 
 from ..errors import UnusedParametersError, UsageError
 from . import comm
-from .buckets import Bucket
 from .bucketing import BucketSpec, ParamSpec, mb_to_bytes, plan_buckets
+from .buckets import Bucket
 from .replicas import broadcast_module_state, broadcast_tensors, comm_device, verify_same_structure
 
 
@@ -52,7 +52,8 @@ def _tensors_in(obj):
 def _as_count(num_items) -> float:
     if isinstance(num_items, torch.Tensor):
         if num_items.numel() != 1:
-            raise UsageError(f"num_items must be a scalar, got a tensor of shape {tuple(num_items.shape)}")
+            raise UsageError(
+                f"num_items must be a scalar, got a tensor of shape {tuple(num_items.shape)}")
         num_items = num_items.item()
     try:
         n = float(num_items)
@@ -109,13 +110,14 @@ class DataParallel(nn.Module):
             aliases.setdefault(id(p), []).append(name)
         self._params: list[nn.Parameter] = []
         self._names: list[str] = []
-        for name, p in module.named_parameters():
+        for p in module.parameters():
             if p.requires_grad:
                 self._params.append(p)
                 self._names.append(" = ".join(aliases[id(p)]))
         devices = {p.device for p in self._params}
         if len(devices) > 1:
-            raise UsageError(f"DataParallel expects a module on one device, found {sorted(map(str, devices))}")
+            raise UsageError("DataParallel expects a module on one device, found "
+                             f"{sorted(map(str, devices))}")
         self._specs = [ParamSpec(n, p.numel(), p.element_size(), str(p.dtype).replace("torch.", ""))
                        for n, p in zip(self._names, self._params)]
         self._buffers_to_sync = [b for b in module.buffers() if b.numel()]
@@ -135,7 +137,8 @@ class DataParallel(nn.Module):
         self._rebuilt = False
         self._hooks: list = []
 
-        self._install_buckets(plan_buckets(self._specs, self.bucket_cap_bytes, self.first_bucket_bytes))
+        self._install_buckets(
+            plan_buckets(self._specs, self.bucket_cap_bytes, self.first_bucket_bytes))
         for i, p in enumerate(self._params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
 
@@ -180,7 +183,8 @@ class DataParallel(nn.Module):
         return None
 
     # ------------------------------------------------------------------ backward
-    def backward(self, loss: torch.Tensor | None = None, num_items=None, **backward_kwargs) -> None:
+    def backward(self, loss: torch.Tensor | None = None, num_items=None,
+                 **backward_kwargs) -> None:
         """Backward with the exact global mean when ``num_items`` is given.
 
         ``loss`` is the mean over this micro-batch's ``num_items`` items (samples or
@@ -190,12 +194,14 @@ class DataParallel(nn.Module):
         """
         if num_items is None:
             if loss is None:
-                raise UsageError("backward() needs a loss (or num_items=0 for an empty micro-batch)")
+                raise UsageError(
+                    "backward() needs a loss (or num_items=0 for an empty micro-batch)")
             loss.backward(**backward_kwargs)
             return
         n = _as_count(num_items)
         if self._in_backward:
-            raise UsageError("backward() called while another backward through this model is running")
+            raise UsageError("backward() called while another backward through this model "
+                             "is running")
         self._win_items += n
         self._win_item_passes += 1
         self._pass_accounted = True
@@ -326,7 +332,8 @@ class DataParallel(nn.Module):
         for b in self._buckets:
             b.buffer.div_(divisor)
         if self._order_log is not None:
-            order = self._order_log + [i for i in range(len(self._params)) if i not in set(self._order_log)]
+            seen = set(self._order_log)
+            order = self._order_log + [i for i in range(len(self._params)) if i not in seen]
             self._order_log = None
             self._rebuild(order)
 

@@ -32,10 +32,11 @@ def comm_device(group=None) -> torch.device:
 
 def structure(module: nn.Module) -> list[tuple[str, str, tuple[int, ...], str, bool]]:
     """(kind, name, shape, dtype, requires_grad) of every parameter and buffer, in order."""
-    rows = [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad)
-            for n, p in module.named_parameters()]
-    rows += [("buffer", n, tuple(b.shape), str(b.dtype), False)
-             for n, b in module.named_buffers()]
+    rows = [
+        ("param", n, tuple(p.shape), str(p.dtype), p.requires_grad)
+        for n, p in module.named_parameters()
+    ]
+    rows += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
     return rows
 
 
@@ -59,7 +60,9 @@ def first_mismatch(listings: list[list]) -> str | None:
         parts = [f"rank 0 has {_describe(rows[0])}"]
         parts += [f"rank {k} has {_describe(rows[k])}" for k in differing]
         ranks = ", ".join(str(k) for k in [0, *differing])
-        return f"model differs across ranks at {name!r} (entry #{i}; ranks {ranks}): " + "; ".join(parts)
+        return f"model differs across ranks at {name!r} (entry #{i}; ranks {ranks}): " + "; ".join(
+            parts
+        )
     return None
 
 
@@ -94,8 +97,9 @@ def _chunks(tensors: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
         yield chunk
 
 
-def broadcast_tensors(tensors: list[torch.Tensor], group=None, src_rank: int = 0,
-                      tag: str = "broadcast") -> None:
+def broadcast_tensors(
+    tensors: list[torch.Tensor], group=None, src_rank: int = 0, tag: str = "broadcast"
+) -> None:
     """Overwrite ``tensors`` in place with ``src_rank``'s values, coalesced by dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:

@@ -1,0 +1,269 @@
+"""The training loop every worker runs, under `gradsync train` or `torchrun -m gradsync.train`.
+
+Each optimizer step draws ``accumulation`` micro-batches per worker from an
+``exact``-mode DistributedSampler (every sample once per epoch; epochs roll over
+mid-step so all workers always draw the same number of micro-batches), runs all
+but the last under ``no_sync()``, and calls ``backward(loss, num_items=...)`` so
+the gradient is the exact mean over every item (token or sample) of the global
+batch. Rank 0 reports, writes metrics and checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import dist as gdist
+from ..data import DistributedSampler
+from ..engine.data_parallel import DataParallel
+from ..errors import UsageError
+from .checkpoint import CHECKPOINT, atomic_save, load_checkpoint, remove_stale_temporaries
+from .config import TrainConfig
+from .data_setup import build_task, collate
+from .progress import MetricsWriter, RunDisplay
+
+FAULT_ENV = "GRADSYNC_FAULT"
+"""Testing aid: ``RANK:STEP:KIND`` (KIND raise | exit | kill) makes that rank fail mid-step."""
+
+_MUST_MATCH_ON_RESUME = ("model", "data", "seq_len", "global_batch", "micro_batch", "seed")
+
+
+def _interrupt_on_sigterm() -> None:
+    """The launcher stops workers with SIGTERM; unwind like Ctrl-C so cleanup runs."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _inject_fault(rank: int, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    f_rank, f_step, kind = spec.split(":")
+    if int(f_rank) != rank or int(f_step) != step:
+        return
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    if kind == "exit":
+        os._exit(7)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def micro_batches(sampler: DistributedSampler, size: int):
+    """Endless stream of index lists of ``size``, rolling over epochs via ``set_epoch``."""
+    if len(sampler) == 0:
+        raise UsageError(
+            f"rank {sampler.rank} has no samples: {sampler.dataset_len} samples "
+            f"cannot feed {sampler.num_replicas} workers"
+        )
+    it, buf = iter(sampler), []
+    while True:
+        for i in it:
+            buf.append(i)
+            if len(buf) == size:
+                yield buf
+                buf = []
+        sampler.set_epoch(sampler.epoch + 1)
+        it = iter(sampler)
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    span = max(1, cfg.steps - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(cfg: TrainConfig, params):
+    if cfg.model == "gpt":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+
+
+def _agree(flag: bool, device) -> bool:
+    """Rank 0 decides; every rank learns the decision (so all raise together)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.broadcast(t, 0)
+    return bool(t.item())
+
+
+def _resume(cfg, ckpt_path, world, rank, dp, opt, sched, sampler, device) -> int:
+    exists = _agree(os.path.exists(ckpt_path), device)
+    if cfg.resume and not exists:
+        raise UsageError(f"--resume: no checkpoint at {ckpt_path}")
+    if not cfg.resume:
+        if exists:
+            raise UsageError(
+                f"{cfg.out} already holds a checkpoint; pass --resume to continue "
+                "it or choose another --out"
+            )
+        return 0
+    state = load_checkpoint(ckpt_path)
+    if state.get("world_size") != world:
+        raise UsageError(
+            f"checkpoint {ckpt_path} was written by {state.get('world_size')} workers; "
+            f"resume with {state.get('world_size')} (this run has {world})"
+        )
+    for key in _MUST_MATCH_ON_RESUME:
+        if state["config"].get(key) != getattr(cfg, key):
+            raise UsageError(
+                f"cannot resume: --{key.replace('_', '-')} was "
+                f"{state['config'].get(key)!r}, now {getattr(cfg, key)!r}"
+            )
+    dp.module.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    sampler.load_state_dict(state["samplers"][rank])
+    return int(state["step"])
+
+
+def _save(cfg, ckpt_path, step, world, dp, opt, sched, sampler, loss) -> None:
+    samplers = [None] * world
+    dist.all_gather_object(samplers, sampler.state_dict())
+    if dist.get_rank() == 0:
+        atomic_save(
+            {
+                "format": "gradsync-checkpoint",
+                "version": 1,
+                "step": step,
+                "model": dp.module.state_dict(),
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "samplers": samplers,
+                "world_size": world,
+                "config": cfg.to_dict(),
+                "loss": loss,
+            },
+            ckpt_path,
+        )
+
+
+def run_worker(cfg_dict: dict) -> dict | None:
+    """Train on this rank; rank 0 returns the run summary, the others ``None``."""
+    cfg = TrainConfig(**cfg_dict)
+    info = gdist.info()
+    rank, world, device = info.rank, info.world_size, info.device
+    accum = cfg.accumulation(world)
+    _interrupt_on_sigterm()
+    started = time.perf_counter()
+
+    task = build_task(cfg)
+    sampler = DistributedSampler(
+        task.dataset, num_replicas=world, rank=rank, seed=cfg.seed, mode="exact"
+    )
+    dp = DataParallel(task.model.to(device), bucket_cap_mb=cfg.bucket_mb)
+    opt = make_optimizer(cfg, dp.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    ckpt_path = os.path.join(cfg.out, CHECKPOINT)
+    if rank == 0:
+        os.makedirs(cfg.out, exist_ok=True)
+        remove_stale_temporaries(cfg.out)
+    start_step = _resume(cfg, ckpt_path, world, rank, dp, opt, sched, sampler, device)
+    batches = micro_batches(sampler, cfg.micro_batch)
+
+    unit = "tok" if task.tokens_per_sample else "samples"
+    per_step_units = cfg.global_batch * (task.tokens_per_sample or 1)
+    writer = MetricsWriter(os.path.join(cfg.out, "metrics.jsonl")) if rank == 0 else None
+    if rank == 0:
+        with open(os.path.join(cfg.out, "config.json"), "w") as f:
+            json.dump(
+                {
+                    **cfg.to_dict(),
+                    "world_size": world,
+                    "accumulation": accum,
+                    "backend": info.backend,
+                },
+                f,
+                indent=2,
+            )
+    display = RunDisplay(cfg.steps, start_step, unit) if rank == 0 else None
+    loss = float("nan")
+    step_times: list[float] = []
+    loop_started = time.perf_counter()
+    with display if display else contextlib.nullcontext():
+        for step in range(start_step, cfg.steps):
+            t0 = time.perf_counter()
+            loss_sum, items = 0.0, 0
+            for k in range(accum):
+                if k == accum - 1:
+                    _inject_fault(rank, step)
+                x, y = collate(task.dataset, next(batches))
+                x, y = x.to(device), y.to(device)
+                n = x.shape[0] * task.items_per_sample
+                with dp.no_sync() if k < accum - 1 else contextlib.nullcontext():
+                    micro_loss = task.loss_fn(dp(x), y)
+                    dp.backward(micro_loss, num_items=n)
+                loss_sum += micro_loss.item() * n
+                items += n
+            if cfg.clip:
+                torch.nn.utils.clip_grad_norm_(dp.parameters(), cfg.clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            totals = torch.tensor([loss_sum, float(items)], dtype=torch.float64, device=device)
+            dist.all_reduce(totals)
+            loss = float(totals[0] / totals[1])
+            step_s = time.perf_counter() - t0
+            step_times.append(step_s)
+            if rank == 0:
+                writer.write(
+                    {
+                        "step": step + 1,
+                        "loss": loss,
+                        "lr": sched.get_last_lr()[0],
+                        "step_time_s": step_s,
+                        "items": int(totals[1]),
+                        f"{unit}_per_s": per_step_units / step_s,
+                        "time_s": time.perf_counter() - loop_started,
+                    }
+                )
+                display.update(step + 1, loss, per_step_units / step_s, step_s)
+            done = step + 1
+            if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+                _save(cfg, ckpt_path, done, world, dp, opt, sched, sampler, loss)
+    if writer:
+        writer.close()
+    if rank != 0:
+        return None
+    steady = sorted(step_times[min(3, len(step_times) - 1) :]) if step_times else [float("nan")]
+    median_step = steady[len(steady) // 2]
+    summary = {
+        "final_loss": loss,
+        "steps": cfg.steps,
+        "resumed_from": start_step,
+        "world_size": world,
+        "accumulation": accum,
+        "median_step_s": median_step,
+        f"{unit}_per_s": per_step_units / median_step,
+        "train_wall_s": time.perf_counter() - loop_started,
+        "total_wall_s": time.perf_counter() - started,
+        "checkpoint": ckpt_path,
+        "buckets": len(dp.bucket_plan),
+    }
+    with open(os.path.join(cfg.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    display.summary(
+        [
+            ("final loss", f"{loss:.4f}"),
+            (f"throughput ({unit}/s, median step)", f"{summary[f'{unit}_per_s']:,.0f}"),
+            ("median step time", f"{median_step * 1e3:.1f} ms"),
+            ("workers x accumulation", f"{world} x {accum}"),
+            ("gradient buckets", str(summary["buckets"])),
+            ("wall time", f"{summary['total_wall_s']:.1f} s"),
+            ("checkpoint", ckpt_path),
+        ],
+        title=f"gradsync train: {cfg.model} on {cfg.data}",
+    )
+    return summary

@@ -1,0 +1,128 @@
+"""`gradsync train` end to end: real launcher, real files, real signals."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+CLI = [sys.executable, "-m", "gradsync.cli"]
+FAST = ["--steps", "6", "--seq-len", "32", "--global-batch", "8", "--micro-batch", "2",
+        "--checkpoint-every", "3"]
+
+
+def run_cli(*args, timeout=120, env=None):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_train_writes_metrics_checkpoint_and_summary(tmp_path):
+    out = tmp_path / "run"
+    r = run_cli("train", *FAST, "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4, 5, 6]
+    assert all(m["items"] == 8 * 32 for m in lines)  # tokens of the global batch
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 6 and ckpt["world_size"] == 2
+    assert not any(k.startswith("module.") for k in ckpt["model"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accumulation"] == 2 and summary["final_loss"] < lines[0]["loss"]
+    assert "final loss" in r.stdout and not list(out.glob(".tmp-*"))
+
+
+def test_resume_after_a_crash_reproduces_the_uninterrupted_run(tmp_path):
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    assert run_cli("train", *FAST, "--out", str(straight)).returncode == 0
+    r = run_cli("train", *FAST, "--out", str(broken), env={"GRADSYNC_FAULT": "1:4:raise"})
+    assert r.returncode == 1
+    assert "worker rank 1 failed" in r.stderr and "injected fault" in r.stderr
+    assert torch.load(broken / "checkpoint.pt", weights_only=False)["step"] == 3
+    r = run_cli("train", *FAST, "--out", str(broken), "--resume")
+    assert r.returncode == 0, r.stderr
+    a = torch.load(straight / "checkpoint.pt", weights_only=False)["model"]
+    b = torch.load(broken / "checkpoint.pt", weights_only=False)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("kind,expect", [("exit", "exited with code 7"),
+                                         ("kill", "killed by signal SIGKILL")])
+def test_worker_dying_mid_step_is_named(tmp_path, kind, expect):
+    t0 = time.monotonic()
+    r = run_cli("train", *FAST, "--out", str(tmp_path / "r"), "--timeout", "30",
+                env={"GRADSYNC_FAULT": f"0:2:{kind}"})
+    assert r.returncode == 1
+    assert "worker rank 0 failed" in r.stderr and expect in r.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def test_ctrl_c_keeps_last_checkpoint_and_leaves_no_temporary_files(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*CLI, "train", "--steps", "400", "--seq-len", "32",
+                             "--global-batch", "8", "--micro-batch", "4",
+                             "--checkpoint-every", "2", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "checkpoint.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "is intact" in err
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] >= 2 and ckpt["step"] % 2 == 0
+    assert not list(out.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--global-batch", "30", "--micro-batch", "8"], "not a multiple"),
+    (["--workers", "2", "--data", "random-tokens", "--seq-len", "1500000"], "at least one"),
+    (["--model", "mlp", "--data", "pysrc"], "does not fit"),
+    (["--steps", "0"], "--steps must be"),
+])
+def test_bad_arguments_exit_2_with_one_line(args, expect, tmp_path):
+    r = run_cli("train", *args, "--out", str(tmp_path / "x"))
+    assert r.returncode == 2, r.stderr
+    assert expect in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flag", [["--backend", "mpi"], ["--model", "resnet"]])
+def test_unknown_choice_rejected_by_parser(flag):
+    r = run_cli("train", *flag)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_port_in_use_is_a_clear_error(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run_cli("train", *FAST, "--port", str(port), "--out", str(tmp_path / "p"))
+    assert r.returncode == 2 and f"port {port}" in r.stderr and "already in use" in r.stderr
+
+
+def test_existing_checkpoint_needs_resume(tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("train", *FAST, "--out", str(out)).returncode == 0
+    r = run_cli("train", *FAST, "--out", str(out))
+    assert r.returncode == 2 and "--resume" in r.stderr
+
+
+def test_help_on_every_subcommand():
+    from gradsync.cli import COMMANDS
+
+    for name, _ in COMMANDS:
+        r = run_cli(name, "--help", timeout=60)
+        assert r.returncode == 0 and "usage:" in r.stdout, name

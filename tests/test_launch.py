@@ -1,0 +1,87 @@
+"""spawn(): results by rank, and a failed worker is an error naming it, never a hang."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradsync as gs
+
+
+def _whoami(tag):
+    t = torch.ones(1) * (gs.rank() + 1)
+    dist.all_reduce(t)
+    return tag, gs.rank(), gs.world_size(), float(t), os.getpid()
+
+
+def test_spawn_returns_results_indexed_by_rank():
+    results = gs.spawn(_whoami, 3, "x")
+    assert [r[1] for r in results] == [0, 1, 2]
+    assert all(r[0] == "x" and r[2] == 3 and r[3] == 6.0 for r in results)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def _fail(kind, pid_dir):
+    with open(os.path.join(pid_dir, f"{gs.rank()}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    if gs.rank() == 1:
+        time.sleep(0.2)  # let the others block inside the collective first
+        if kind == "raise":
+            raise ValueError("bad batch on purpose")
+        if kind == "exit":
+            os._exit(3)
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the survivors wait here for the dead rank
+    dist.all_reduce(t)
+    return True
+
+
+@pytest.mark.parametrize("kind,expect", [
+    ("raise", "ValueError: bad batch on purpose"),
+    ("exit", "exited with code 3"),
+    ("kill", "killed by signal SIGKILL"),
+])
+def test_failed_worker_names_rank_and_error_without_hanging(kind, expect, tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(gs.WorkerFailedError) as info:
+        gs.spawn(_fail, 3, kind, str(tmp_path), timeout_s=20)
+    elapsed = time.monotonic() - t0
+    first_line = str(info.value).splitlines()[0]
+    assert first_line.startswith("worker rank 1 failed"), str(info.value)
+    assert expect in first_line
+    assert elapsed < 40, f"took {elapsed:.1f}s"
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    assert len(pids) == 3
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), "workers left behind"
+
+
+def test_spawn_rejects_bad_world_size():
+    with pytest.raises(gs.UsageError, match="integer >= 1"):
+        gs.spawn(_whoami, 0, "x")
+
+
+def test_init_outside_a_launcher_says_how_to_launch(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(gs.UsageError, match="torchrun"):
+        gs.init()
+
+
+def test_unknown_backend_rejected():
+    with pytest.raises(gs.UsageError, match="unknown backend"):
+        gs.spawn(_whoami, 1, "x", backend="mpi")
