@@ -100,3 +100,55 @@ class _null:
 
 def max_gap(a, b) -> float:
     return max(float((p - q).abs().max()) for p, q in zip(a, b))
+
+
+def optimizer_spec(kind: str):
+    """(class, kwargs) of ``make_optimizer(kind, ...)``, for wrappers that build the optimizer."""
+    if kind == "sgd":
+        return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}
+    if kind == "adamw":
+        return torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.01}
+    raise ValueError(kind)
+
+
+def uneven_schedule(steps: int, world: int, n: int = 96):
+    """Uneven shards, no_sync micro-steps of unequal sizes, sometimes a rank with nothing."""
+    sched, cursor = [], 0
+    for s in range(steps):
+        step = []
+        for r in range(world):
+            sizes = [(s + r) % 4 + 1, 0, 2 * r + 1][: 1 + (s + r) % 3]
+            if r == world - 1 and s % 5 == 0:
+                sizes = [0]
+            micros = []
+            for k in sizes:
+                micros.append([(cursor + i) % n for i in range(k)])
+                cursor += k
+            step.append(micros)
+        sched.append(step)
+    return sched
+
+
+def sharded_train(model, opt, schedule, x, y, rank: int, loss_fn=mse, clip=None, on_step=None):
+    """This rank's side of ``schedule`` through a sharded model/optimizer pair.
+
+    ``model`` has backward(loss, num_items) and no_sync(); ``opt`` has step/zero_grad.
+    ``clip`` calls gradsync.clip_grad_norm_(opt or model).
+    """
+    import gradsync as gs
+
+    for step in schedule:
+        micros = step[rank]
+        for k, idx in enumerate(micros):
+            ctx = model.no_sync() if k < len(micros) - 1 else _null()
+            with ctx:
+                if not idx:
+                    model.backward(None, num_items=0)
+                    continue
+                model.backward(loss_fn(model(x[idx]), y[idx]), num_items=len(idx))
+        if clip is not None:
+            gs.clip_grad_norm_(opt, clip)
+        opt.step()
+        if on_step is not None:
+            on_step()
+        opt.zero_grad()

@@ -4,7 +4,10 @@ The public API is re-exported here; nothing else lives in this file.
 """
 
 from .dist import init, is_main, rank, shutdown, world_size
+from .engine.clip import clip_grad_norm_
 from .engine.data_parallel import DataParallel
+from .engine.precision import MixedPrecision
+from .engine.zero import ZeroOptimizer
 from .errors import (
     GradsyncError,
     ReplicaMismatchError,
@@ -18,6 +21,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DataParallel",
+    "MixedPrecision",
+    "ZeroOptimizer",
+    "clip_grad_norm_",
     "GradsyncError",
     "ReplicaMismatchError",
     "UnusedParametersError",

@@ -18,11 +18,13 @@ class Bucket:
 
     __slots__ = ("spec", "params", "buffer", "views", "pending", "handle", "launched")
 
-    def __init__(self, spec: BucketSpec, params: list[torch.nn.Parameter]):
+    def __init__(self, spec: BucketSpec, params: list[torch.nn.Parameter],
+                 numel: int | None = None):
+        """``numel`` > ``spec.numel`` pads the buffer (ZeRO cuts it into equal shards)."""
         self.spec = spec
         self.params = params
         dtype, device = params[0].dtype, params[0].device
-        self.buffer = torch.zeros(spec.numel, dtype=dtype, device=device)
+        self.buffer = torch.zeros(max(spec.numel, numel or 0), dtype=dtype, device=device)
         self.views: list[torch.Tensor] = []
         offset = 0
         for p in params:

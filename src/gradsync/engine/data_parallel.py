@@ -136,6 +136,7 @@ class DataParallel(nn.Module):
         self._order_log: list[int] | None = None
         self._rebuilt = False
         self._hooks: list = []
+        self._reduction = None  # None: all-reduce every bucket (see set_reduction)
 
         self._install_buckets(
             plan_buckets(self._specs, self.bucket_cap_bytes, self.first_bucket_bytes))
@@ -144,12 +145,44 @@ class DataParallel(nn.Module):
 
     # ------------------------------------------------------------------ layout
     def _install_buckets(self, specs: list[BucketSpec]) -> None:
-        self._buckets = [Bucket(s, [self._params[i] for i in s.params]) for s in specs]
+        size = (lambda s: self._reduction.bucket_numel(s)) if self._reduction else (lambda s: None)
+        self._buckets = [Bucket(s, [self._params[i] for i in s.params], size(s)) for s in specs]
         self._where: list[tuple[Bucket, int]] = [None] * len(self._params)  # type: ignore[list-item]
         for b in self._buckets:
             for slot, i in enumerate(b.spec.params):
                 self._where[i] = (b, slot)
             b.attach(keep_values=True)
+
+    def set_reduction(self, reduction) -> None:
+        """Hand bucket communication to ``reduction`` (the ZeRO extension point).
+
+        ``reduction`` decides how a ready bucket travels and how a synchronised
+        backward ends; the hooks, launch order, header and ``num_items`` accounting
+        stay here, so every strategy keeps DataParallel's exact semantics. It
+        provides ``bucket_numel(spec)`` (buffer length, e.g. padded to a multiple of
+        the world size), ``prepare()`` (called before gradients accumulate, e.g. to
+        re-allocate freed buffers), ``launch(bucket) -> comm.Pending`` and
+        ``finish(divisor)`` (after every launched bucket completed). The bucket
+        layout is frozen from here on (no rebuild), because sharded optimizer state
+        lives in it.
+        """
+        if self._in_backward:
+            raise UsageError("set_reduction() called during backward")
+        if self._reduction is not None:
+            raise UsageError("this DataParallel already has a reduction strategy "
+                             "(is it wrapped by two ZeroOptimizers?)")
+        self._reduction = reduction
+        self._rebuilt = True
+        self._order_log = None
+        self._install_buckets([b.spec for b in self._buckets])
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self._buckets
+
+    @property
+    def trainable_names(self) -> list[str]:
+        return list(self._names)
 
     @property
     def bucket_plan(self) -> list[BucketSpec]:
@@ -169,6 +202,8 @@ class DataParallel(nn.Module):
                 self._forward_sync = self._require_sync
             if self.broadcast_buffers and self._buffers_to_sync and self.training:
                 broadcast_tensors(self._buffers_to_sync, self.group, tag="buffers")
+            if self._reduction is not None:
+                self._reduction.prepare()
             for b in self._buckets:
                 b.attach(keep_values=True)
         out = self.module(*args, **kwargs)
@@ -234,6 +269,8 @@ class DataParallel(nn.Module):
         if self._in_backward:
             return
         self._in_backward = True
+        if self._reduction is not None:
+            self._reduction.prepare()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if not self._pass_accounted:
             self._win_plain_passes += 1
@@ -276,9 +313,12 @@ class DataParallel(nn.Module):
         buckets = self._buckets
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
             b = buckets[self._next_bucket]
-            b.handle = comm.all_reduce(b.buffer, self.group, async_op=True,
-                                       tag=f"bucket{b.spec.index}",
-                                       meta={"bucket": b.spec.index, "params": len(b.params)})
+            if self._reduction is not None:
+                b.handle = self._reduction.launch(b)
+            else:
+                b.handle = comm.all_reduce(b.buffer, self.group, async_op=True,
+                                           tag=f"bucket{b.spec.index}",
+                                           meta={"bucket": b.spec.index, "params": len(b.params)})
             b.launched = True
             self._next_bucket += 1
 
@@ -329,8 +369,11 @@ class DataParallel(nn.Module):
             divisor = items
         else:
             divisor = float(self.world_size)
-        for b in self._buckets:
-            b.buffer.div_(divisor)
+        if self._reduction is not None:
+            self._reduction.finish(divisor)
+        else:
+            for b in self._buckets:
+                b.buffer.div_(divisor)
         if self._order_log is not None:
             seen = set(self._order_log)
             order = self._order_log + [i for i in range(len(self._params)) if i not in seen]
@@ -354,6 +397,8 @@ class DataParallel(nn.Module):
     # ------------------------------------------------------------------ housekeeping
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the bucket buffers in place (gradients stay views into them)."""
+        if self._reduction is not None:
+            self._reduction.prepare()
         for b in self._buckets:
             b.buffer.zero_()
             if not set_to_none:

@@ -1,0 +1,259 @@
+"""ZeroOptimizer: ZeRO stages 1 and 2 (arXiv 1910.02054, sections 5.1-5.2) over DataParallel.
+
+Every bucket of the wrapped :class:`~gradsync.DataParallel` becomes a flat buffer
+padded to a multiple of N and cut into N equal shards (``sharding.FlatShard``).
+Rank r owns slice r of every bucket: the fp32 master weights of that slice and the
+inner optimizer's state for it, nothing else (stage 1: optimizer state 12P/N).
+
+Backward is DataParallel's, unchanged: same hooks, same strict bucket launch order,
+same header with the ``num_items`` window count, same ``no_sync``. Only the
+communication of a ready bucket differs, through DataParallel's
+``set_reduction`` extension point: the bucket is *reduced to shards*
+(reduce-scatter, or on gloo an all-reduce and a slice, see ``shard_comm``) and the
+end of backward divides this rank's slice by the global item count. So after a
+synchronised backward this rank holds exactly its slice of the global-mean
+gradient. Stage 1 keeps it inside the (persistent) bucket buffer; stage 2 copies it
+into a shard-sized tensor and releases the bucket buffers' storage (gradients
+2P/N between backward and step; the buffers are re-allocated at the next forward,
+so the peak during backward is not reduced: a documented limitation).
+
+``step()`` runs the inner optimizer on the master shards only, then all-gathers the
+updated parameters bucket by bucket into flat parameter buffers that the module's
+parameters are views of, so every replica holds bitwise the same parameters.
+
+The inner optimizer must be elementwise: the update of an element may depend only
+on that element's own parameter, gradient and state, because a shard holds pieces
+of tensors (a parameter may straddle two ranks). Allowed: ``ELEMENTWISE``; a custom
+optimizer opts in with a class attribute ``gradsync_elementwise = True``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UsageError
+from .data_parallel import DataParallel
+from .precision import MixedPrecision, cast_inputs_hook, master_dtype
+from .shard_comm import ShardComm
+from .sharding import FlatShard
+
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
+               torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam,
+               torch.optim.Adadelta)
+
+
+def check_elementwise(optimizer_class) -> None:
+    """Reject optimizers whose update needs whole tensors (LBFGS, factored or matrix methods)."""
+    if optimizer_class in ELEMENTWISE or getattr(optimizer_class, "gradsync_elementwise", False):
+        return
+    name = getattr(optimizer_class, "__name__", repr(optimizer_class))
+    allowed = ", ".join(c.__name__ for c in ELEMENTWISE)
+    raise UsageError(
+        f"{name} cannot run on shards: a sharded optimizer holds pieces of tensors, so its "
+        f"update must be elementwise. Allowed: {allowed}; a custom elementwise optimizer "
+        "may declare `gradsync_elementwise = True`")
+
+
+class _Shard:
+    """One bucket's flat parameter buffer, this rank's master slice and gradient slice."""
+
+    def __init__(self, bucket, world: int, rank: int, originals: dict[int, torch.Tensor]):
+        self.bucket = bucket
+        self.layout = FlatShard(tuple(p.numel() for p in bucket.params), world)
+        self.start, self.end = self.layout.shard_range(rank)
+        p0 = bucket.params[0]
+        self.flat = torch.zeros(self.layout.padded, dtype=p0.dtype, device=p0.device)
+        offset = 0
+        with torch.no_grad():
+            for p in bucket.params:
+                n = p.numel()
+                self.flat[offset:offset + n].copy_(p.detach().reshape(-1))
+                p.data = self.flat[offset:offset + n].view_as(p)
+                offset += n
+        # the master starts from the full-precision values, not from their rounded copy
+        full = torch.zeros(self.layout.padded, dtype=master_dtype(p0.dtype), device=p0.device)
+        offset = 0
+        for p in bucket.params:
+            n = p.numel()
+            full[offset:offset + n].copy_(originals[id(p)].reshape(-1))
+            offset += n
+        self.master = full[self.start:self.end].clone()
+        self.grad: torch.Tensor | None = None  # stage 2: this rank's gradient slice
+        self.reduced: torch.Tensor | None = None  # during a sync: the reduced slice
+        self.src: torch.Tensor | None = None  # during a sync: the buffer being reduced
+
+
+class ZeroOptimizer:
+    """ZeRO stage 1 or 2 around an elementwise torch optimizer.
+
+    Args:
+        model: a :class:`gradsync.DataParallel` (its buckets become the shards).
+        optimizer_class: e.g. ``torch.optim.AdamW``; see ``ELEMENTWISE``.
+        stage: 1 (shard optimizer state) or 2 (also gradients).
+        mixed_precision: a :class:`MixedPrecision`; the module's parameters are cast
+            to ``param_dtype`` and the fp32 master lives in the shard.
+        collectives: ``"auto"`` (per backend, measured; see ``shard_comm``),
+            ``"native"`` (reduce-scatter/all-gather) or ``"all_reduce"``.
+        **optimizer_kwargs: passed to ``optimizer_class``.
+    """
+
+    def __init__(self, model: DataParallel, optimizer_class, stage: int = 1,
+                 mixed_precision: MixedPrecision | None = None, collectives: str = "auto",
+                 **optimizer_kwargs):
+        if not isinstance(model, DataParallel):
+            raise UsageError("ZeroOptimizer wraps a gradsync.DataParallel, got "
+                             f"{type(model).__name__} (for stage 3 use "
+                             "gradsync.FullyShardedDataParallel)")
+        if isinstance(stage, bool) or stage not in (1, 2):
+            hint = " (stage 3 is gradsync.FullyShardedDataParallel)" if stage == 3 else ""
+            raise UsageError(f"ZeroOptimizer stage must be 1 or 2, got {stage!r}{hint}")
+        check_elementwise(optimizer_class)
+        self.model, self.stage = model, stage
+        self.group, self.world, self.rank = model.group, model.world_size, model.rank
+        self.mixed_precision = mixed_precision
+        self.comm = ShardComm.for_group(self.group, collectives)
+        originals = {id(p): p.detach().clone() for p in model.parameters()}
+        if mixed_precision is not None:
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.is_floating_point():
+                        p.data = p.data.to(mixed_precision.param_dtype)
+            if mixed_precision.cast_inputs:
+                model.module.register_forward_pre_hook(
+                    cast_inputs_hook(mixed_precision.param_dtype), with_kwargs=True)
+        model.set_reduction(self)  # re-creates the (padded) bucket buffers
+        self._shards = [_Shard(b, self.world, self.rank, originals) for b in model.buckets]
+        self.optimizer = optimizer_class([s.master for s in self._shards], **optimizer_kwargs)
+        self._synced = False
+
+    # ------------------------------------------------ DataParallel reduction protocol
+    def bucket_numel(self, spec) -> int:
+        return FlatShard((spec.numel,), self.world).padded
+
+    def prepare(self) -> None:
+        """Stage 2: re-allocate bucket buffers released after the last sync."""
+        for s in self._shards:
+            buf = s.bucket.buffer
+            storage = buf.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(buf.numel() * buf.element_size())
+                buf.zero_()
+
+    def launch(self, bucket):
+        s = self._shards[bucket.spec.index]
+        rd = self._reduce_dtype(bucket.buffer.dtype)
+        s.src = bucket.buffer if rd == bucket.buffer.dtype else bucket.buffer.to(rd)
+        pending, s.reduced = self.comm.reduce(s.src, self.rank, self.world, self.group,
+                                              tag=f"bucket{bucket.spec.index}")
+        return pending
+
+    def finish(self, divisor: float) -> None:
+        for s in self._shards:
+            red = s.reduced
+            if self.stage == 1:
+                target = s.bucket.buffer[s.start:s.end]
+                if red.data_ptr() == target.data_ptr():
+                    target.div_(divisor)
+                else:
+                    target.copy_(red.div_(divisor))
+            else:
+                s.grad = red.div_(divisor).to(s.bucket.buffer.dtype, copy=True)
+            s.reduced = s.src = None
+        for p in self.model.parameters():
+            p.grad = None  # local, unreduced values: not a gradient anyone should read
+        if self.stage == 2:
+            for s in self._shards:
+                s.bucket.buffer.untyped_storage().resize_(0)
+        self._synced = True
+
+    def _reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.mixed_precision.reduce_dtype if self.mixed_precision else dtype
+
+    # ------------------------------------------------------------------ optimizer API
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def grad_shards(self) -> list[torch.Tensor | None]:
+        """This rank's slice of the global-mean gradient, one per bucket (None before a sync)."""
+        if not self._synced:
+            return [None] * len(self._shards)
+        if self.stage == 2:
+            return [s.grad for s in self._shards]
+        return [s.bucket.buffer[s.start:s.end] for s in self._shards]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Update this rank's master shard, then all-gather the parameters."""
+        if closure is not None:
+            raise UsageError("ZeroOptimizer.step() takes no closure (closures need whole tensors)")
+        for s, g in zip(self._shards, self.grad_shards()):
+            s.master.grad = None if g is None else g.to(s.master.dtype)
+        self.optimizer.step()
+        self.gather_params()
+        for s in self._shards:
+            s.master.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradient shards and zero the buckets that are allocated.
+
+        Stage 2 does not re-allocate released buckets here; the next forward does.
+        """
+        for s in self._shards:
+            s.grad = None
+            s.master.grad = None
+            if s.bucket.buffer.untyped_storage().nbytes():
+                s.bucket.buffer.zero_()
+        for p in self.model.parameters():
+            p.grad = None
+        self._synced = False
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """This rank's shard: master slices, inner optimizer state and the layout."""
+        return {"stage": self.stage, "world": self.world, "rank": self.rank,
+                "masters": [s.master.clone() for s in self._shards],
+                "layouts": [s.layout.numels for s in self._shards],
+                "names": [[self.model.trainable_names[i] for i in s.bucket.spec.params]
+                          for s in self._shards],
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load a shard saved by this rank with the same world size and layout.
+
+        A different world size goes through ``gradsync.engine.zero_checkpoint``.
+        """
+        if state.get("world") != self.world or state.get("rank") != self.rank:
+            raise UsageError(f"state dict is rank {state.get('rank')} of {state.get('world')}, "
+                             f"this is rank {self.rank} of {self.world}; load a sharded "
+                             "checkpoint (re-shards on load) instead")
+        if state["layouts"] != [s.layout.numels for s in self._shards]:
+            raise UsageError("state dict layout differs from this model's buckets")
+        with torch.no_grad():
+            for s, m in zip(self._shards, state["masters"]):
+                s.master.copy_(m)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.gather_params()
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Re-build the full parameters from the master shards (after loading)."""
+        pending = []
+        for k, s in enumerate(self._shards):
+            shard = s.master.to(s.flat.dtype, copy=True)
+            pending.append((self.comm.gather(s.flat, shard, self.rank, self.group,
+                                             tag=f"params{k}"), shard))
+        for p, _ in pending:
+            p.wait()
+
+    @property
+    def shards(self) -> list[_Shard]:
+        return self._shards
+
+    def memory_report(self):
+        from .memory import report_zero
+        return report_zero(self)
+
+    def __repr__(self) -> str:
+        return (f"ZeroOptimizer(stage={self.stage}, world={self.world}, "
+                f"buckets={len(self._shards)}, optimizer={type(self.optimizer).__name__})")
