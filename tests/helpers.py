@@ -111,15 +111,20 @@ def optimizer_spec(kind: str):
     raise ValueError(kind)
 
 
-def uneven_schedule(steps: int, world: int, n: int = 96):
-    """Uneven shards, no_sync micro-steps of unequal sizes, sometimes a rank with nothing."""
+def uneven_schedule(steps: int, world: int, n: int = 96, same_micro_steps: bool = False):
+    """Uneven shards, no_sync micro-steps of unequal sizes, sometimes a rank with nothing.
+
+    ``same_micro_steps``: every rank runs as many micro-steps (stage 3 gathers
+    parameters in every forward, so all ranks must take part in each one); item
+    counts still differ and some micro-steps hold nothing.
+    """
     sched, cursor = [], 0
     for s in range(steps):
         step = []
         for r in range(world):
-            sizes = [(s + r) % 4 + 1, 0, 2 * r + 1][: 1 + (s + r) % 3]
+            sizes = [(s + r) % 4 + 1, 0, 2 * r + 1][: 1 + (s + (0 if same_micro_steps else r)) % 3]
             if r == world - 1 and s % 5 == 0:
-                sizes = [0]
+                sizes = [0] * len(sizes) if same_micro_steps else [0]
             micros = []
             for k in sizes:
                 micros.append([(cursor + i) % n for i in range(k)])

@@ -6,6 +6,7 @@ The public API is re-exported here; nothing else lives in this file.
 from .dist import init, is_main, rank, shutdown, world_size
 from .engine.clip import clip_grad_norm_
 from .engine.data_parallel import DataParallel
+from .engine.fsdp import FullyShardedDataParallel
 from .engine.precision import MixedPrecision
 from .engine.zero import ZeroOptimizer
 from .errors import (
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DataParallel",
+    "FullyShardedDataParallel",
     "MixedPrecision",
     "ZeroOptimizer",
     "clip_grad_norm_",

@@ -106,3 +106,25 @@ def report_zero(zopt) -> MemoryReport:
             comm_b += held(s.src)
     return MemoryReport(zopt.stage, zopt.world, num, params, grads, master, opt_state,
                         comm_b, pad)
+
+
+def report_fsdp(model, optimizer=None) -> MemoryReport:
+    """Stage 3: gathered buffers count as parameters while they are held (transient)."""
+    params = grads = master = opt_state = pad = 0
+    num = 0
+    for u in model.units:
+        lay = u.layout
+        num += lay.numel
+        real = lay.real_numel(model.rank)
+        a, b = split_real(u.full, lay.numel)
+        params, pad = params + a, pad + b
+        a, b = split_real(u.shard, real)
+        master, pad = master + a, pad + b
+        a, b = split_real(u.shard.grad, real)
+        grads, pad = grads + a, pad + b
+        a, b = split_real(u.acc, lay.numel)
+        grads, pad = grads + a, pad + b
+        if optimizer is not None:
+            a, b = optimizer_bytes(optimizer, u.shard, real)
+            opt_state, pad = opt_state + a, pad + b
+    return MemoryReport(3, model.world, num, params, grads, master, opt_state, 0, pad)

@@ -1,0 +1,388 @@
+"""FullyShardedDataParallel: ZeRO stage 3 (arXiv 1910.02054, section 5.3).
+
+Each wrapped unit's trainable parameters become one flat buffer padded to a
+multiple of N; this rank keeps only its 1/N slice, in the master dtype, as the one
+``nn.Parameter`` an optimizer sees (``model.parameters()`` are the shards). The
+module's own parameters are replaced by views into a gathered buffer that exists
+only while it is needed:
+
+* before the unit's forward its buffer is all-gathered (the next units' gathers are
+  prefetched, ``prefetch`` ahead, in registration order) and freed afterwards;
+* a hook on the unit's outputs re-gathers it just before its backward (storage is
+  re-filled in place, so the tensors autograd saved see the values again, as in
+  FSDP1);
+* when autograd has accumulated the unit's gradient, it is reduced to shards and
+  the buffer is freed; the end of backward divides by the global item count.
+
+Exactness follows DataParallel's rules: ``backward(loss, num_items=n)`` scales to a
+local sum, a 24-byte header carries the window's item count, ``no_sync`` issues no
+gradient collective (parameters must still be gathered, they are sharded) and
+accumulates unsharded gradients locally. Gathers and gradient reductions run on
+two process groups, so each has one deterministic order on every rank (gathers in
+forward then backward unit order, reductions strictly in reverse registration
+order, root last) whatever order autograd happens to fire hooks in.
+
+A parameter shared by two units (tied weights) belongs to the root unit, which is
+gathered for the whole forward. A rank with ``num_items=0`` replays the same
+collective sequence, assuming units run in registration order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import UsageError
+from . import comm
+from .data_parallel import _as_count, _tensors_in
+from .precision import MixedPrecision, cast_inputs_hook, master_dtype
+from .replicas import broadcast_module_state, comm_device, verify_same_structure
+from .shard_comm import ShardComm
+from .sharding import FlatShard
+
+
+class _Unit:
+    """One flat-sharded group of parameters and its gathered buffer."""
+
+    def __init__(self, index, module, params, slots, world, rank, dtype):
+        self.index, self.module, self.slots = index, module, slots  # slots: [(mod, attr, k)]
+        self.shapes = [p.shape for p in params]
+        self.layout = FlatShard(tuple(p.numel() for p in params), world)
+        start, end = self.layout.shard_range(rank)
+        flat = torch.zeros(self.layout.padded, dtype=master_dtype(params[0].dtype))
+        torch.cat([p.detach().reshape(-1).to(flat.dtype) for p in params],
+                  out=flat[:self.layout.numel])
+        self.shard = nn.Parameter(flat[start:end].clone())
+        self.full = torch.zeros(self.layout.padded, dtype=dtype, requires_grad=True)
+        self.full.untyped_storage().resize_(0)
+        self.gather_pending = None  # (Pending, input) while a gather is in flight
+        self.acc: torch.Tensor | None = None  # unsharded gradient under no_sync
+        self.ready: torch.Tensor | None = None  # this pass's gradient, waiting to launch
+        self.reduced = None  # (Pending, slice, source) of the launched reduction
+        self.grad_seen = False
+        self.bw_gathered = False
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard parameters, gradients and optimizer state of ``module`` over ``group``.
+
+    Args:
+        wrap: a set/tuple of module classes, or a predicate ``f(module) -> bool``,
+            choosing the units (e.g. ``{Block}``); the rest belongs to the root unit.
+        mixed_precision: a :class:`MixedPrecision`; gathered parameters and
+            gradients are in ``param_dtype``, shards stay fp32.
+        prefetch: how many units ahead to start gathering (0: none).
+        collectives: ``"auto"`` | ``"native"`` | ``"all_reduce"`` (see ``shard_comm``).
+    """
+
+    def __init__(self, module: nn.Module, wrap=None, mixed_precision: MixedPrecision | None = None,
+                 prefetch: int = 1, group=None, collectives: str = "auto"):
+        super().__init__()
+        if not dist.is_initialized():
+            raise UsageError("FullyShardedDataParallel needs an initialised process group")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise UsageError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        self.module, self.group, self.mixed_precision = module, group, mixed_precision
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.prefetch = prefetch
+        self.comm = ShardComm.for_group(group, collectives)
+        self._grad_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
+        self._dev = comm_device(group)
+        verify_same_structure(module, group, what="FullyShardedDataParallel")
+        broadcast_module_state(module, group)
+        self._keys = list(module.state_dict().keys())
+        self._units = self._build_units(module, wrap)
+        self.shards = nn.ParameterList([u.shard for u in self._units])
+        self._hooks = []
+        for u in self._units:
+            if u.module is not module:
+                self._hooks.append(u.module.register_forward_pre_hook(self._make_pre(u)))
+                self._hooks.append(u.module.register_forward_hook(self._make_post(u)))
+            self._hooks.append(u.full.register_post_accumulate_grad_hook(self._make_grad_hook(u)))
+        if mixed_precision is not None and mixed_precision.cast_inputs:
+            self._hooks.append(module.register_forward_pre_hook(
+                cast_inputs_hook(mixed_precision.param_dtype), with_kwargs=True))
+        root = [u for u in self._units if u.module is module]
+        self._reduce_order = [u for u in reversed(self._units) if u.module is not module] + root
+        self._require_sync, self._forward_sync = True, None
+        self._in_backward = self._syncing = self._accounted = False
+        self._win = [0.0, 0, 0]  # items, item passes, plain passes
+        self._header = None
+        self._next_reduce = 0
+
+    # ------------------------------------------------------------------ layout
+    def _build_units(self, module, wrap):
+        is_unit = wrap if callable(wrap) and not isinstance(wrap, type) else (
+            lambda m: isinstance(m, tuple(wrap or ())))
+        owner_of: dict[nn.Module, nn.Module] = {module: module}
+        order = [module]
+        for _name, m in module.named_modules():
+            for child in m.children():
+                owner_of.setdefault(child, child if is_unit(child) else owner_of[m])
+                if child is owner_of[child] and child not in order:
+                    order.append(child)
+        params: dict[int, nn.Parameter] = {}
+        owners: dict[int, set] = {}
+        slots: dict[int, list] = {}
+        for m in module.modules():
+            for attr, p in m._parameters.items():
+                if p is None or not p.requires_grad:
+                    continue
+                params[id(p)] = p
+                owners.setdefault(id(p), set()).add(owner_of[m])
+                slots.setdefault(id(p), []).append((m, attr))
+        per_unit: dict[nn.Module, list[int]] = {}
+        for pid in params:
+            own = owners[pid]
+            per_unit.setdefault(next(iter(own)) if len(own) == 1 else module, []).append(pid)
+        dtype = self.mixed_precision.param_dtype if self.mixed_precision else None
+        units = []
+        for m in order:
+            pids = per_unit.get(m)
+            if not pids:
+                continue
+            plist = [params[i] for i in pids]
+            us = [(mod, attr, k) for k, i in enumerate(pids) for mod, attr in slots[i]]
+            units.append(_Unit(len(units), m, plist, us, self.world, self.rank,
+                               dtype or plist[0].dtype))
+            for mod, attr, _k in us:
+                del mod._parameters[attr]
+                setattr(mod, attr, None)
+        return units
+
+    # ------------------------------------------------------------------ gather / free
+    def _launch_gather(self, u: _Unit) -> None:
+        if u.gather_pending is not None or u.full.untyped_storage().nbytes():
+            return
+        full = u.full.data
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        src = u.shard.detach().to(full.dtype, copy=True)
+        u.gather_pending = (self.comm.gather(full, src, self.rank, self.group,
+                                             tag=f"unit{u.index}"), src)
+
+    def _gather(self, u: _Unit, grad: bool) -> None:
+        self._launch_gather(u)
+        if u.gather_pending is not None:
+            u.gather_pending[0].wait()
+            u.gather_pending = None
+        with torch.set_grad_enabled(grad):
+            views = u.full[:u.layout.numel].split(list(u.layout.numels))
+            views = [v.view(s) for v, s in zip(views, u.shapes)]
+        for mod, attr, k in u.slots:
+            setattr(mod, attr, views[k])
+
+    def _free(self, u: _Unit) -> None:
+        u.full.untyped_storage().resize_(0)
+
+    def _prefetch_after(self, u: _Unit, backward: bool) -> None:
+        seq = self._units[::-1] if backward else self._units
+        pos = seq.index(u)
+        for nxt in seq[pos + 1:pos + 1 + self.prefetch]:
+            if nxt.module is not self.module:
+                self._launch_gather(nxt)
+
+    # ------------------------------------------------------------------ hooks
+    def _make_pre(self, u):
+        def pre(_module, _args):
+            self._gather(u, torch.is_grad_enabled())
+            self._prefetch_after(u, backward=False)
+        return pre
+
+    def _make_post(self, u):
+        def post(_module, _args, out):
+            self._after_forward(u, out)
+        return post
+
+    def _after_forward(self, u, out):
+        if torch.is_grad_enabled():
+            u.bw_gathered = False
+            for t in _tensors_in(out):
+                if t.requires_grad:
+                    t.register_hook(lambda g, u=u: self._pre_backward(u))
+        self._free(u)
+
+    def _pre_backward(self, u):
+        self._start_pass()
+        if not u.bw_gathered:
+            u.bw_gathered = True
+            self._gather(u, True)
+            self._prefetch_after(u, backward=True)
+
+    def _make_grad_hook(self, u):
+        def hook(full):
+            g = full.grad
+            full.grad = None
+            self._free(u)
+            u.grad_seen = True
+            self._accept(u, g)
+        return hook
+
+    def _accept(self, u, g):
+        rd = self.mixed_precision.reduce_dtype if self.mixed_precision else g.dtype
+        g = g.to(rd)
+        if u.acc is not None:
+            g = g + u.acc
+        if not self._syncing:
+            u.acc = g
+            return
+        u.acc, u.ready = None, g
+        self._launch_reduces()
+
+    def _launch_reduces(self):
+        order = self._reduce_order
+        while self._next_reduce < len(order) and order[self._next_reduce].ready is not None:
+            u = order[self._next_reduce]
+            pending, part = self.comm.reduce(u.ready, self.rank, self.world, self._grad_group,
+                                             tag=f"grad{u.index}")
+            u.reduced, u.ready = (pending, part, u.ready), None
+            self._next_reduce += 1
+
+    # ------------------------------------------------------------------ passes
+    def forward(self, *args, **kwargs):
+        grad = torch.is_grad_enabled()
+        if grad and not self._in_backward:
+            self._forward_sync = self._require_sync
+        root = self._units[0] if self._units and self._units[0].module is self.module else None
+        if root is not None:
+            self._gather(root, grad)
+            self._prefetch_after(root, backward=False)
+        out = self.module(*args, **kwargs)
+        if grad:
+            for t in _tensors_in(out):
+                if t.requires_grad:
+                    t.register_hook(lambda g: self._start_pass())
+        if root is not None:
+            self._after_forward(root, out)
+        return out
+
+    def backward(self, loss=None, num_items=None, **kwargs) -> None:
+        """As :meth:`gradsync.DataParallel.backward` (exact global mean with ``num_items``)."""
+        if num_items is None:
+            if loss is None:
+                raise UsageError("backward() needs a loss (or num_items=0)")
+            loss.backward(**kwargs)
+            return
+        n = _as_count(num_items)
+        self._win[0] += n
+        self._win[1] += 1
+        self._accounted = True
+        try:
+            if n == 0:
+                self._empty_pass()
+            else:
+                if loss is None:
+                    raise UsageError(f"backward() got num_items={num_items} but no loss")
+                (loss * n).backward(**kwargs)
+        finally:
+            self._accounted = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate unsharded gradients locally; no gradient collective until the synced step."""
+        previous, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    def _empty_pass(self):
+        """A rank without data issues the same collectives with zero gradients."""
+        self._forward_sync = self._require_sync
+        for u in self._units:
+            self._gather(u, False)
+            self._free(u)
+        self._start_pass(queue=False)
+        root = [u for u in self._units if u.module is self.module]
+        rest = [u for u in self._units if u.module is not self.module]
+        for u in root + rest[::-1]:
+            self._gather(u, False)
+            self._free(u)
+            self._accept(u, torch.zeros_like(u.full.data, dtype=u.full.dtype))
+        self._end_of_backward()
+
+    def _start_pass(self, queue: bool = True):
+        if self._in_backward:
+            return
+        self._in_backward = True
+        if queue:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if not self._accounted:
+            self._win[2] += 1
+            self._accounted = True
+        sync = self._forward_sync if self._forward_sync is not None else self._require_sync
+        self._syncing = sync
+        if self._units and self._units[0].module is self.module:
+            # the root is re-gathered first, whichever output hook autograd fires first,
+            # so the gather sequence is the same on every rank (and in _empty_pass)
+            self._launch_gather(self._units[0])
+        if sync:
+            self._next_reduce = 0
+            for u in self._units:
+                u.grad_seen = False
+            self._header = torch.tensor(self._win, dtype=torch.float64, device=self._dev)
+            self._header_pending = comm.all_reduce(self._header, self._grad_group,
+                                                   async_op=True, tag="header")
+
+    def _end_of_backward(self):
+        try:
+            if self._syncing:
+                self._finish_sync()
+        finally:
+            self._in_backward = self._syncing = False
+            self._forward_sync = None
+            for u in self._units:
+                u.bw_gathered = False
+
+    def _finish_sync(self):
+        for u in self._reduce_order:  # unused in this backward: a zero contribution
+            if not u.grad_seen and u.reduced is None and u.ready is None:
+                self._free(u)
+                self._accept(u, torch.zeros(u.layout.padded, dtype=u.full.dtype))
+        self._header_pending.wait()
+        items, item_passes, plain_passes = self._header.tolist()
+        self._win = [0.0, 0, 0]
+        if item_passes and plain_passes:
+            raise UsageError("this accumulation window mixed backward(loss, num_items=n) with "
+                             "plain loss.backward(); use one or the other everywhere")
+        if item_passes and items <= 0:
+            raise UsageError("the global batch holds no items (num_items summed to 0)")
+        divisor = items if item_passes else float(self.world)
+        for u in self._reduce_order:
+            pending, part, _src = u.reduced
+            pending.wait()
+            g = part.div_(divisor).to(u.shard.dtype)
+            u.shard.grad = g.clone() if u.shard.grad is None else u.shard.grad.add_(g)
+            u.reduced = None
+
+    # ------------------------------------------------------------------ state
+    def grad_shards(self):
+        return [u.shard.grad for u in self._units]
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """The consolidated state dict with the original names (every rank gets it)."""
+        out = dict(self.module.state_dict())
+        for u in self._units:
+            full = torch.empty(u.layout.padded, dtype=u.shard.dtype)
+            self.comm.gather(full, u.shard.detach().clone(), self.rank, self.group,
+                             tag=f"state{u.index}").wait()
+            pieces = full[:u.layout.numel].split(list(u.layout.numels))
+            names = self._slot_names(u)
+            for (_mod, _attr, k), name in zip(u.slots, names):
+                out[name] = pieces[k].view(u.shapes[k]).clone()
+        return {k: out[k] for k in self._keys if k in out}
+
+    def _slot_names(self, u):
+        where = {id(m): n for n, m in self.module.named_modules(remove_duplicate=False)}
+        return [f"{where[id(mod)]}.{attr}".lstrip(".") for mod, attr, _k in u.slots]
+
+    @property
+    def units(self):
+        return self._units
+
+    def memory_report(self, optimizer=None):
+        from .memory import report_fsdp
+        return report_fsdp(self, optimizer)
