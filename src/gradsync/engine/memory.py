@@ -128,3 +128,15 @@ def report_fsdp(model, optimizer=None) -> MemoryReport:
             a, b = optimizer_bytes(optimizer, u.shard, real)
             opt_state, pad = opt_state + a, pad + b
     return MemoryReport(3, model.world, num, params, grads, master, opt_state, 0, pad)
+
+
+def report_data_parallel(dp, optimizer) -> MemoryReport:
+    """Plain DataParallel (stage 0): everything replicated."""
+    params = sum(held(p) for p in dp.module.parameters())
+    grads = sum(held(b.buffer) for b in dp.buckets)
+    opt_state = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            opt_state += optimizer_bytes(optimizer, p, p.numel())[0]
+    num = sum(p.numel() for p in dp.module.parameters() if p.requires_grad)
+    return MemoryReport(0, dp.world_size, num, params, grads, 0, opt_state, 0, 0)

@@ -83,8 +83,11 @@ class _Shard:
         self.src: torch.Tensor | None = None  # during a sync: the buffer being reduced
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1 or 2 around an elementwise torch optimizer.
+
+    It is a ``torch.optim.Optimizer`` whose ``param_groups`` and ``state`` are the
+    inner optimizer's (over the master shards), so LR schedulers work unchanged.
 
     Args:
         model: a :class:`gradsync.DataParallel` (its buckets become the shards).
@@ -124,6 +127,9 @@ class ZeroOptimizer:
         model.set_reduction(self)  # re-creates the (padded) bucket buffers
         self._shards = [_Shard(b, self.world, self.rank, originals) for b in model.buckets]
         self.optimizer = optimizer_class([s.master for s in self._shards], **optimizer_kwargs)
+        super().__init__([s.master for s in self._shards], dict(self.optimizer.defaults))
+        self.param_groups = self.optimizer.param_groups  # one truth: the inner optimizer's
+        self.state = self.optimizer.state
         self._synced = False
 
     # ------------------------------------------------ DataParallel reduction protocol
@@ -170,10 +176,6 @@ class ZeroOptimizer:
         return self.mixed_precision.reduce_dtype if self.mixed_precision else dtype
 
     # ------------------------------------------------------------------ optimizer API
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
     def grad_shards(self) -> list[torch.Tensor | None]:
         """This rank's slice of the global-mean gradient, one per bucket (None before a sync)."""
         if not self._synced:
