@@ -98,8 +98,9 @@ def report_zero(zopt) -> MemoryReport:
         if zopt.stage == 2:
             a, b = split_real(s.grad, real)
             grads, pad = grads + a, pad + b
-        a, b = split_real(s.master, real)
-        master, pad = master + a, pad + b
+        if s.master.untyped_storage().data_ptr() != s.flat.untyped_storage().data_ptr():
+            a, b = split_real(s.master, real)  # a separate (fp32) master copy
+            master, pad = master + a, pad + b
         a, b = optimizer_bytes(zopt.optimizer, s.master, real)
         opt_state, pad = opt_state + a, pad + b
         if s.src is not None and s.src is not buf:

@@ -77,7 +77,13 @@ class _Shard:
             n = p.numel()
             full[offset:offset + n].copy_(originals[id(p)].reshape(-1))
             offset += n
-        self.master = full[self.start:self.end].clone()
+        if master_dtype(p0.dtype) == p0.dtype:
+            # fp32/fp64 parameters: the master *is* this rank's slice of the flat
+            # parameter buffer (no second copy; torch's ZeroRedundancyOptimizer also
+            # steps the parameters in place); the gather re-fills the other slices
+            self.master = self.flat[self.start:self.end]
+        else:
+            self.master = full[self.start:self.end].clone()
         self.grad: torch.Tensor | None = None  # stage 2: this rank's gradient slice
         self.reduced: torch.Tensor | None = None  # during a sync: the reduced slice
         self.src: torch.Tensor | None = None  # during a sync: the buffer being reduced
@@ -242,7 +248,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Re-build the full parameters from the master shards (after loading)."""
         pending = []
         for k, s in enumerate(self._shards):
-            shard = s.master.to(s.flat.dtype, copy=True)
+            shard = s.master.to(s.flat.dtype, copy=True)  # never an alias of s.flat
             pending.append((self.comm.gather(s.flat, shard, self.rank, self.group,
                                              tag=f"params{k}"), shard))
         for p, _ in pending:
