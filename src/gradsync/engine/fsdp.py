@@ -78,6 +78,8 @@ class FullyShardedDataParallel(nn.Module):
         collectives: ``"auto"`` | ``"native"`` | ``"all_reduce"`` (see ``shard_comm``).
     """
 
+    MAX_INFLIGHT = 2  # gradient reductions in flight before the oldest is finalised
+
     def __init__(self, module: nn.Module, wrap=None, mixed_precision: MixedPrecision | None = None,
                  prefetch: int = 1, group=None, collectives: str = "auto"):
         super().__init__()
@@ -112,6 +114,8 @@ class FullyShardedDataParallel(nn.Module):
         self._win = [0.0, 0, 0]  # items, item passes, plain passes
         self._header = None
         self._next_reduce = 0
+        self._inflight: list[_Unit] = []
+        self._div: float | None = None
 
     # ------------------------------------------------------------------ layout
     def _build_units(self, module, wrap):
@@ -216,11 +220,11 @@ class FullyShardedDataParallel(nn.Module):
             g = full.grad
             full.grad = None
             self._free(u)
-            u.grad_seen = True
             self._accept(u, g)
         return hook
 
     def _accept(self, u, g):
+        u.grad_seen = True  # contributed to this pass (a real gradient or zeros)
         rd = self.mixed_precision.reduce_dtype if self.mixed_precision else g.dtype
         g = g.to(rd)
         if u.acc is not None:
@@ -239,6 +243,9 @@ class FullyShardedDataParallel(nn.Module):
                                              tag=f"grad{u.index}")
             u.reduced, u.ready = (pending, part, u.ready), None
             self._next_reduce += 1
+            self._inflight.append(u)
+            while len(self._inflight) > self.MAX_INFLIGHT:
+                self._finalize(self._inflight.pop(0))
 
     # ------------------------------------------------------------------ passes
     def forward(self, *args, **kwargs):
@@ -319,7 +326,7 @@ class FullyShardedDataParallel(nn.Module):
             # so the gather sequence is the same on every rank (and in _empty_pass)
             self._launch_gather(self._units[0])
         if sync:
-            self._next_reduce = 0
+            self._next_reduce, self._inflight, self._div = 0, [], None
             for u in self._units:
                 u.grad_seen = False
             self._header = torch.tensor(self._win, dtype=torch.float64, device=self._dev)
@@ -338,24 +345,37 @@ class FullyShardedDataParallel(nn.Module):
 
     def _finish_sync(self):
         for u in self._reduce_order:  # unused in this backward: a zero contribution
-            if not u.grad_seen and u.reduced is None and u.ready is None:
+            if not u.grad_seen:
                 self._free(u)
                 self._accept(u, torch.zeros(u.layout.padded, dtype=u.full.dtype))
-        self._header_pending.wait()
-        items, item_passes, plain_passes = self._header.tolist()
-        self._win = [0.0, 0, 0]
-        if item_passes and plain_passes:
-            raise UsageError("this accumulation window mixed backward(loss, num_items=n) with "
-                             "plain loss.backward(); use one or the other everywhere")
-        if item_passes and items <= 0:
-            raise UsageError("the global batch holds no items (num_items summed to 0)")
-        divisor = items if item_passes else float(self.world)
-        for u in self._reduce_order:
-            pending, part, _src = u.reduced
-            pending.wait()
-            g = part.div_(divisor).to(u.shard.dtype)
-            u.shard.grad = g.clone() if u.shard.grad is None else u.shard.grad.add_(g)
-            u.reduced = None
+        while self._inflight:
+            self._finalize(self._inflight.pop(0))
+
+    def _divisor(self) -> float:
+        """The global item count (waits for the header, launched as backward started)."""
+        if self._div is None:
+            self._header_pending.wait()
+            items, item_passes, plain_passes = self._header.tolist()
+            self._win = [0.0, 0, 0]
+            if item_passes and plain_passes:
+                raise UsageError("this accumulation window mixed backward(loss, num_items=n) "
+                                 "with plain loss.backward(); use one or the other everywhere")
+            if item_passes and items <= 0:
+                raise UsageError("the global batch holds no items (num_items summed to 0)")
+            self._div = items if item_passes else float(self.world)
+        return self._div
+
+    def _finalize(self, u: _Unit) -> None:
+        """Wait for ``u``'s reduction, keep the divided slice, drop the unsharded gradient.
+
+        Done as soon as more than ``MAX_INFLIGHT`` reductions are pending, so at most
+        that many unsharded gradients are alive at once (ZeRO-3's gradient memory).
+        """
+        pending, part, _src = u.reduced
+        pending.wait()
+        g = part.div_(self._divisor()).to(u.shard.dtype)
+        u.shard.grad = g.clone() if u.shard.grad is None else u.shard.grad.add_(g)
+        u.reduced = None
 
     # ------------------------------------------------------------------ state
     def grad_shards(self):
