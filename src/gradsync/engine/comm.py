@@ -67,6 +67,10 @@ class Pending:
         self.event = event
         self._done = False
 
+    def done(self) -> bool:
+        """True once the collective has completed (never blocks)."""
+        return self._done or self._work is None or self._work.is_completed()
+
     def wait(self) -> None:
         if self._done:
             return

@@ -78,7 +78,7 @@ class FullyShardedDataParallel(nn.Module):
         collectives: ``"auto"`` | ``"native"`` | ``"all_reduce"`` (see ``shard_comm``).
     """
 
-    MAX_INFLIGHT = 2  # gradient reductions in flight before the oldest is finalised
+    MAX_INFLIGHT = 4  # gradient reductions in flight before waiting for the oldest
 
     def __init__(self, module: nn.Module, wrap=None, mixed_precision: MixedPrecision | None = None,
                  prefetch: int = 1, group=None, collectives: str = "auto"):
@@ -244,7 +244,8 @@ class FullyShardedDataParallel(nn.Module):
             u.reduced, u.ready = (pending, part, u.ready), None
             self._next_reduce += 1
             self._inflight.append(u)
-            while len(self._inflight) > self.MAX_INFLIGHT:
+            while self._inflight and (len(self._inflight) > self.MAX_INFLIGHT
+                                      or self._inflight[0].reduced[0].done()):
                 self._finalize(self._inflight.pop(0))
 
     # ------------------------------------------------------------------ passes
@@ -368,8 +369,9 @@ class FullyShardedDataParallel(nn.Module):
     def _finalize(self, u: _Unit) -> None:
         """Wait for ``u``'s reduction, keep the divided slice, drop the unsharded gradient.
 
-        Done as soon as more than ``MAX_INFLIGHT`` reductions are pending, so at most
-        that many unsharded gradients are alive at once (ZeRO-3's gradient memory).
+        Done when the reduction has completed (checked without blocking as later
+        units launch) or when more than ``MAX_INFLIGHT`` are pending, so few unsharded
+        gradients are alive at once (ZeRO-3's gradient memory) and backward rarely waits.
         """
         pending, part, _src = u.reduced
         pending.wait()
