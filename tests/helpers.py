@@ -157,3 +157,13 @@ def sharded_train(model, opt, schedule, x, y, rank: int, loss_fn=mse, clip=None,
         if on_step is not None:
             on_step()
         opt.zero_grad()
+
+
+def run_jobs(jobs):
+    """Run ``[(fn, args), ...]`` in order on this rank; one spawn serves several tests."""
+    return [fn(*args) for fn, args in jobs]
+
+
+def job_results(results, index):
+    """Per-rank results of job ``index`` from ``gs.spawn(run_jobs, ...)``."""
+    return [r[index] for r in results]

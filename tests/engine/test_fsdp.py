@@ -6,10 +6,12 @@ from helpers import (
     D_IN,
     D_OUT,
     dataset,
+    job_results,
     max_gap,
     mse,
     optimizer_spec,
     reference_train,
+    run_jobs,
     sharded_train,
     uneven_schedule,
 )
@@ -88,16 +90,35 @@ def _check(results, factory, schedule, clip=None):
         assert gap <= TOL[kind], f"{kind}: gap {gap:.3e}"
 
 
-@pytest.mark.parametrize("world,collectives", [(2, "native"), (3, "auto")])
-def test_fsdp_matches_single_process_with_uneven_items(world, collectives):
-    schedule = uneven_schedule(STEPS, world, same_micro_steps=True)
-    _check(gs.spawn(_both, world, Net, {Block}, schedule, None, collectives), Net, schedule)
+SCHED = {w: uneven_schedule(STEPS, w, same_micro_steps=True) for w in (2, 3)}
+
+
+def _jobs(world):
+    """Everything this module runs on ``world`` workers, in one spawn (tests stay fast)."""
+    if world == 2:
+        return [(_both, (Net, {Block}, SCHED[2], None, "native")), (_count, ()),
+                (_bf16, (20,))]
+    return [(_both, (Net, {Block}, SCHED[3], None, "auto")),
+            (_both, (Tied, {nn.Linear}, SCHED[3])), (_both, (Tiny, None, SCHED[3], 0.05))]
+
+
+_cache: dict = {}
+
+
+def _results(world, index):
+    if world not in _cache:
+        _cache[world] = gs.spawn(run_jobs, world, _jobs(world))
+    return job_results(_cache[world], index)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp_matches_single_process_with_uneven_items(world):
+    _check(_results(world, 0), Net, SCHED[world])
 
 
 def test_fsdp_tied_weights_and_tiny_model():
-    schedule = uneven_schedule(STEPS, 3, same_micro_steps=True)
-    _check(gs.spawn(_both, 3, Tied, {nn.Linear}, schedule), Tied, schedule)
-    _check(gs.spawn(_both, 3, Tiny, None, schedule, 0.05), Tiny, schedule, clip=0.05)
+    _check(_results(3, 1), Tied, SCHED[3])
+    _check(_results(3, 2), Tiny, SCHED[3], clip=0.05)
 
 
 def _count():
@@ -119,7 +140,7 @@ def _count():
 
 
 def test_collectives_per_step():
-    no_sync, synced, stepped, units = gs.spawn(_count, 2)[0]
+    no_sync, synced, stepped, units = _results(2, 1)[0]
     assert units == 3  # root + two blocks
     # forward gathers every unit, backward re-gathers every unit; no gradient traffic
     assert no_sync == ["all_gather"] * (2 * units)
@@ -145,7 +166,7 @@ def _bf16(steps):
 
 
 def test_bf16_memory_matches_formula_and_stays_close_to_fp32():
-    report, state, sched = gs.spawn(_bf16, 2, 20)[0]
+    report, state, sched = _results(2, 2)[0]
     expected = report.formula()  # 16P/N
     assert report.params == 0  # nothing gathered between steps
     assert abs(report.model_state - expected) <= 0.05 * expected, report.render()

@@ -5,17 +5,21 @@ for K = 2 and 3 (uneven shards with padding), with no_sync accumulation and unev
 num_items; replicas are bitwise identical; collectives per step are as documented.
 """
 
+import copy
+
 import pytest
 import torch
 from helpers import (
     D_IN,
     D_OUT,
     dataset,
+    job_results,
     max_gap,
     mlp,
     mse,
     optimizer_spec,
     reference_train,
+    run_jobs,
     sharded_train,
     uneven_schedule,
 )
@@ -52,13 +56,38 @@ def _check(results, factory, schedule, clip=None):
         assert gap <= TOL[kind], f"{kind}: gap {gap:.3e}"
 
 
-@pytest.mark.parametrize("stage,world,collectives", [(1, 2, "auto"), (2, 2, "native"),
-                                                      (1, 3, "native"), (2, 3, "auto")])
-def test_zero_matches_single_process_with_uneven_items(stage, world, collectives):
-    schedule = uneven_schedule(STEPS, world)
-    results = gs.spawn(_run_both, world, mlp, stage, schedule, collectives)
+SCHED = {2: uneven_schedule(STEPS, 2), 3: uneven_schedule(STEPS, 3)}
+EXACT = [(1, 2, "auto"), (2, 2, "native"), (1, 3, "native"), (2, 3, "auto")]
+
+
+def _jobs(world):
+    """Everything this module runs on ``world`` workers, in one spawn (tests stay fast)."""
+    jobs = [(_run_both, (mlp, st, SCHED[w], c)) for st, w, c in EXACT if w == world]
+    if world == 2:
+        jobs += [(_run_both, (Tied, 2, SCHED[2])), (_count, (2, "native")),
+                 (_count, (2, "auto")), (_bf16_run, (1, 20)), (_bf16_run, (2, 20)),
+                 (_state_dict_round_trip, ())]
+    else:
+        jobs += [(_run_both, (Tiny, 1, SCHED[3], "auto", 0.05))]
+    return jobs
+
+
+_cache: dict = {}
+
+
+def _results(world, index):
+    if world not in _cache:
+        _cache[world] = gs.spawn(run_jobs, world, _jobs(world))
+    return job_results(_cache[world], index)
+
+
+@pytest.mark.parametrize("case", range(len(EXACT)))
+def test_zero_matches_single_process_with_uneven_items(case):
+    stage, world, collectives = EXACT[case]
+    index = [i for i, e in enumerate(EXACT) if e[1] == world].index(case)
+    results = _results(world, index)
     assert results[0]["sgd"][1] > 1  # several buckets, each sharded with padding
-    _check(results, mlp, schedule)
+    _check(results, mlp, SCHED[world])
 
 
 class Tied(nn.Module):
@@ -89,13 +118,11 @@ class Tiny(nn.Module):
 
 
 def test_zero2_tied_weights_exact():
-    schedule = uneven_schedule(STEPS, 2)
-    _check(gs.spawn(_run_both, 2, Tied, 2, schedule), Tied, schedule)
+    _check(_results(2, 2), Tied, SCHED[2])
 
 
 def test_zero_fewer_elements_than_ranks_and_clipping():
-    schedule = uneven_schedule(STEPS, 3)
-    _check(gs.spawn(_run_both, 3, Tiny, 1, schedule, "auto", 0.05), Tiny, schedule, clip=0.05)
+    _check(_results(3, 2), Tiny, SCHED[3], clip=0.05)
 
 
 def _count(stage, collectives):
@@ -121,11 +148,10 @@ def _count(stage, collectives):
     return marks, len(opt.shards)
 
 
-@pytest.mark.parametrize("collectives,reduce_op,gather_op",
-                         [("native", "reduce_scatter", "all_gather"),
-                          ("auto", "all_reduce", "all_gather")])
-def test_collectives_per_step(collectives, reduce_op, gather_op):
-    marks, buckets = gs.spawn(_count, 2, 2, collectives)[0]
+@pytest.mark.parametrize("index,reduce_op,gather_op", [(3, "reduce_scatter", "all_gather"),
+                                                       (4, "all_reduce", "all_gather")])
+def test_collectives_per_step(index, reduce_op, gather_op):
+    marks, buckets = _results(2, index)[0]
     assert marks["no_sync"] == []  # no communication while accumulating
     assert marks["backward"] == ["all_reduce"] + [reduce_op] * buckets  # header + one per bucket
     assert marks["step"] == [gather_op] * buckets
@@ -170,7 +196,7 @@ def _bf16_run(stage, steps):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_bf16_memory_matches_formula_and_stays_close_to_fp32(stage):
-    results = gs.spawn(_bf16_run, 2, stage, 20)
+    results = _results(2, 4 + stage)
     report, params, sched = results[0]
     assert report.params == 2 * report.num_params  # bf16 working copy, full
     assert report.grads == pytest.approx(2 * report.num_params / (1 if stage == 1 else 2), rel=0.01)
@@ -208,7 +234,7 @@ def _state_dict_round_trip():
 
     dp, opt = build()
     sharded_train(dp, opt, sched[:3], x, y, gs.rank())
-    saved = opt.state_dict()
+    saved = copy.deepcopy(opt.state_dict())  # like torch's, it references live state
     sharded_train(dp, opt, sched[3:], x, y, gs.rank())
     dp2, opt2 = build()  # fresh weights and no optimizer state
     opt2.load_state_dict(saved)
@@ -217,4 +243,4 @@ def _state_dict_round_trip():
 
 
 def test_state_dict_round_trip_continues_bitwise():
-    assert all(all(r) for r in gs.spawn(_state_dict_round_trip, 2))
+    assert all(all(r) for r in _results(2, 7))

@@ -3,8 +3,8 @@ damaged files, another model and interrupted saves give clear errors and lose no
 
 import shutil
 
-import pytest
 import torch
+import torch.distributed as dist
 from helpers import dataset, max_gap, reference_train, sharded_train
 from test_fsdp import Block, Net
 
@@ -12,6 +12,7 @@ import gradsync as gs
 from gradsync.engine.zero_checkpoint import CheckpointError, load_sharded, save_sharded
 
 PER_STEP = 12
+SHARD = "shard-00001-of-00002.pt"
 
 
 def _phase_schedule(first, steps, world):
@@ -74,52 +75,55 @@ def test_resharding_2_to_3_to_1_workers_continues_the_trajectory(tmp_path):
     assert max_gap(got, ref) <= 1e-9
 
 
-def _save_then(path, other, mode):
+def _damage(good, tmp):
+    """Rank 0 makes a corrupted and a truncated copy of ``good``."""
+    corrupt, trunc = tmp / "corrupt", tmp / "trunc"
+    shutil.copytree(good, corrupt)
+    shutil.copytree(good, trunc)
+    data = bytearray((corrupt / SHARD).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (corrupt / SHARD).write_bytes(bytes(data))
+    (trunc / SHARD).write_bytes((good / SHARD).read_bytes()[:100])
+    return corrupt, trunc
+
+
+def _save_damage_load(tmp):
     x, y = dataset()
+    good = tmp / "good"
     model, opt, (target, _) = _build("zero2", Net)
-    if mode == "save":
-        sharded_train(model, _Step(opt), _phase_schedule(0, 2, 2), x, y, gs.rank())
-        save_sharded(path, target)
-        return dict(model.module.state_dict())
-    if mode == "interrupt":
-        sharded_train(model, _Step(opt), _phase_schedule(0, 3, 2), x, y, gs.rank())
-        with pytest.raises(RuntimeError, match="simulated"):
-            save_sharded(path, target, _fail_before_manifest=True)
-        return None
+    sharded_train(model, _Step(opt), _phase_schedule(0, 2, 2), x, y, gs.rank())
+    save_sharded(good, target)
+    saved = {k: v.clone() for k, v in model.module.state_dict().items()}
+    sharded_train(model, _Step(opt), _phase_schedule(2, 1, 2), x, y, gs.rank())
+    try:  # a save that dies after the shards, before its manifest
+        save_sharded(good, target, _fail_before_manifest=True)
+    except RuntimeError as e:
+        assert "simulated" in str(e)
+    if gs.rank() == 0:
+        _damage(good, tmp)
+    dist.barrier()
     errors = {}
-    for name in other:
+    for name in (tmp / "corrupt", tmp / "trunc", tmp / "none"):
         try:
             load_sharded(name, target)
-            errors[str(name)] = None
         except CheckpointError as e:
-            errors[str(name)] = str(e)
+            errors[name.name] = str(e)
     wrong = gs.ZeroOptimizer(gs.DataParallel(Net(hidden=11)), torch.optim.AdamW, stage=2)
     try:
-        load_sharded(path, wrong)
+        load_sharded(good, wrong)
     except CheckpointError as e:
         errors["wrong model"] = str(e)
-    load_sharded(path, target)  # the good checkpoint still loads after all of that
-    return errors, dict(model.module.state_dict())
+    fresh, _, (target2, _) = _build("zero2", Net)
+    load_sharded(good, target2)  # the good checkpoint still loads after all of that
+    return errors, saved, dict(fresh.module.state_dict())
 
 
 def test_damaged_files_other_model_and_interrupted_save(tmp_path):
-    good = tmp_path / "good"
-    saved = gs.spawn(_save_then, 2, good, [], "save")[0]
-    gs.spawn(_save_then, 2, good, [], "interrupt")  # a save that dies before its manifest
-    corrupt, trunc = tmp_path / "corrupt", tmp_path / "trunc"
-    shutil.copytree(good, corrupt)
-    shutil.copytree(good, trunc)
-    shard = "shard-00001-of-00002.pt"
-    data = bytearray((corrupt / shard).read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    (corrupt / shard).write_bytes(bytes(data))
-    (trunc / shard).write_bytes((good / shard).read_bytes()[:100])
-    errors, loaded = gs.spawn(_save_then, 2, good, [corrupt, trunc, tmp_path / "none"],
-                              "errors")[0]
-    assert f"{corrupt / shard}: checksum mismatch" in errors[str(corrupt)]
-    assert f"{trunc / shard}: truncated" in errors[str(trunc)]
-    assert "no manifest" in errors[str(tmp_path / "none")]
+    errors, saved, loaded = gs.spawn(_save_damage_load, 2, tmp_path)[0]
+    assert f"{tmp_path / 'corrupt' / SHARD}: checksum mismatch" in errors["corrupt"]
+    assert f"{tmp_path / 'trunc' / SHARD}: truncated" in errors["trunc"]
+    assert "no manifest" in errors["none"]
     assert ("tensor 'inp.weight' has shape [10, 6] in the checkpoint but [11, 6]"
             in errors["wrong model"])
-    for k in saved:  # interrupted save left the previous checkpoint as it was
+    for k in saved:  # the interrupted save left the previous checkpoint as it was
         assert torch.equal(saved[k], loaded[k]), k
