@@ -38,32 +38,11 @@ from torch import nn
 from ..errors import UsageError
 from . import comm
 from .data_parallel import _as_count, _tensors_in
-from .precision import MixedPrecision, cast_inputs_hook, master_dtype
+from .fsdp_units import FlatUnit as _Unit
+from .fsdp_units import build_units, slot_names
+from .precision import MixedPrecision, cast_inputs_hook
 from .replicas import broadcast_module_state, comm_device, verify_same_structure
 from .shard_comm import ShardComm
-from .sharding import FlatShard
-
-
-class _Unit:
-    """One flat-sharded group of parameters and its gathered buffer."""
-
-    def __init__(self, index, module, params, slots, world, rank, dtype):
-        self.index, self.module, self.slots = index, module, slots  # slots: [(mod, attr, k)]
-        self.shapes = [p.shape for p in params]
-        self.layout = FlatShard(tuple(p.numel() for p in params), world)
-        start, end = self.layout.shard_range(rank)
-        flat = torch.zeros(self.layout.padded, dtype=master_dtype(params[0].dtype))
-        torch.cat([p.detach().reshape(-1).to(flat.dtype) for p in params],
-                  out=flat[:self.layout.numel])
-        self.shard = nn.Parameter(flat[start:end].clone())
-        self.full = torch.zeros(self.layout.padded, dtype=dtype, requires_grad=True)
-        self.full.untyped_storage().resize_(0)
-        self.gather_pending = None  # (Pending, input) while a gather is in flight
-        self.acc: torch.Tensor | None = None  # unsharded gradient under no_sync
-        self.ready: torch.Tensor | None = None  # this pass's gradient, waiting to launch
-        self.reduced = None  # (Pending, slice, source) of the launched reduction
-        self.grad_seen = False
-        self.bw_gathered = False
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -96,7 +75,8 @@ class FullyShardedDataParallel(nn.Module):
         verify_same_structure(module, group, what="FullyShardedDataParallel")
         broadcast_module_state(module, group)
         self._keys = list(module.state_dict().keys())
-        self._units = self._build_units(module, wrap)
+        self._units = build_units(module, wrap, self.world, self.rank,
+                                  mixed_precision.param_dtype if mixed_precision else None)
         self.shards = nn.ParameterList([u.shard for u in self._units])
         self._hooks = []
         for u in self._units:
@@ -116,46 +96,6 @@ class FullyShardedDataParallel(nn.Module):
         self._next_reduce = 0
         self._inflight: list[_Unit] = []
         self._div: float | None = None
-
-    # ------------------------------------------------------------------ layout
-    def _build_units(self, module, wrap):
-        is_unit = wrap if callable(wrap) and not isinstance(wrap, type) else (
-            lambda m: isinstance(m, tuple(wrap or ())))
-        owner_of: dict[nn.Module, nn.Module] = {module: module}
-        order = [module]
-        for _name, m in module.named_modules():
-            for child in m.children():
-                owner_of.setdefault(child, child if is_unit(child) else owner_of[m])
-                if child is owner_of[child] and child not in order:
-                    order.append(child)
-        params: dict[int, nn.Parameter] = {}
-        owners: dict[int, set] = {}
-        slots: dict[int, list] = {}
-        for m in module.modules():
-            for attr, p in m._parameters.items():
-                if p is None or not p.requires_grad:
-                    continue
-                params[id(p)] = p
-                owners.setdefault(id(p), set()).add(owner_of[m])
-                slots.setdefault(id(p), []).append((m, attr))
-        per_unit: dict[nn.Module, list[int]] = {}
-        for pid in params:
-            own = owners[pid]
-            per_unit.setdefault(next(iter(own)) if len(own) == 1 else module, []).append(pid)
-        dtype = self.mixed_precision.param_dtype if self.mixed_precision else None
-        units = []
-        for m in order:
-            pids = per_unit.get(m)
-            if not pids:
-                continue
-            plist = [params[i] for i in pids]
-            us = [(mod, attr, k) for k, i in enumerate(pids) for mod, attr in slots[i]]
-            units.append(_Unit(len(units), m, plist, us, self.world, self.rank,
-                               dtype or plist[0].dtype))
-            for mod, attr, _k in us:
-                del mod._parameters[attr]
-                setattr(mod, attr, None)
-        return units
 
     # ------------------------------------------------------------------ gather / free
     def _launch_gather(self, u: _Unit) -> None:
@@ -398,8 +338,7 @@ class FullyShardedDataParallel(nn.Module):
         return {k: out[k] for k in self._keys if k in out}
 
     def _slot_names(self, u):
-        where = {id(m): n for n, m in self.module.named_modules(remove_duplicate=False)}
-        return [f"{where[id(mod)]}.{attr}".lstrip(".") for mod, attr, _k in u.slots]
+        return slot_names(self.module, u)
 
     @property
     def units(self):

@@ -2,8 +2,10 @@
 
 Every bucket of the wrapped :class:`~gradsync.DataParallel` becomes a flat buffer
 padded to a multiple of N and cut into N equal shards (``sharding.FlatShard``).
-Rank r owns slice r of every bucket: the fp32 master weights of that slice and the
-inner optimizer's state for it, nothing else (stage 1: optimizer state 12P/N).
+Rank r owns slice r of every bucket: the master weights of that slice (a separate
+fp32 copy for bf16/fp16 parameters; for fp32/fp64 parameters the slice of the flat
+parameter buffer itself) and the inner optimizer's state for it (stage 1:
+optimizer state 12P/N with mixed-precision Adam).
 
 Backward is DataParallel's, unchanged: same hooks, same strict bucket launch order,
 same header with the ``num_items`` window count, same ``no_sync``. Only the
@@ -12,7 +14,8 @@ communication of a ready bucket differs, through DataParallel's
 (reduce-scatter, or on gloo an all-reduce and a slice, see ``shard_comm``) and the
 end of backward divides this rank's slice by the global item count. So after a
 synchronised backward this rank holds exactly its slice of the global-mean
-gradient. Stage 1 keeps it inside the (persistent) bucket buffer; stage 2 copies it
+gradient (``grad_shards()``; ``param.grad`` is None, and ``step()`` must come before
+the next forward). Stage 1 keeps it inside the (persistent) bucket buffer; stage 2 copies it
 into a shard-sized tensor and releases the bucket buffers' storage (gradients
 2P/N between backward and step; the buffers are re-allocated at the next forward,
 so the peak during backward is not reduced: a documented limitation).

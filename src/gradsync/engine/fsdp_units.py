@@ -1,0 +1,93 @@
+"""Stage-3 units: which parameters are sharded together, and their flat buffers.
+
+A unit is the granularity at which ZeRO-3 (arXiv 1910.02054, section 5.3) gathers
+parameters: one flat buffer per wrapped module, padded to a multiple of N, of which
+this rank keeps its 1/N slice (in the master dtype) as the ``nn.Parameter`` an
+optimizer steps. The module's own parameters are deleted and become plain
+attributes that ``FullyShardedDataParallel`` points at views of the gathered buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .precision import master_dtype
+from .sharding import FlatShard
+
+
+class FlatUnit:
+    """One flat-sharded group of parameters and its gathered buffer."""
+
+    def __init__(self, index, module, params, slots, world, rank, dtype):
+        self.index, self.module, self.slots = index, module, slots  # slots: [(mod, attr, k)]
+        self.shapes = [p.shape for p in params]
+        self.layout = FlatShard(tuple(p.numel() for p in params), world)
+        start, end = self.layout.shard_range(rank)
+        flat = torch.zeros(self.layout.padded, dtype=master_dtype(params[0].dtype))
+        torch.cat([p.detach().reshape(-1).to(flat.dtype) for p in params],
+                  out=flat[:self.layout.numel])
+        self.shard = nn.Parameter(flat[start:end].clone())
+        self.full = torch.zeros(self.layout.padded, dtype=dtype, requires_grad=True)
+        self.full.untyped_storage().resize_(0)
+        self.gather_pending = None  # (Pending, input) while a gather is in flight
+        self.acc: torch.Tensor | None = None  # unsharded gradient under no_sync
+        self.ready: torch.Tensor | None = None  # this pass's gradient, waiting to launch
+        self.reduced = None  # (Pending, slice, source) of the launched reduction
+        self.grad_seen = False
+        self.bw_gathered = False
+
+
+def build_units(module: nn.Module, wrap, world: int, rank: int,
+                param_dtype: torch.dtype | None) -> list[FlatUnit]:
+    """Choose units, assign every trainable parameter to one, replace them by attributes.
+
+    ``wrap``: module classes (a class, set or tuple) or a predicate. A parameter used
+    by two units (tied weights) goes to the root, which is gathered for the whole
+    forward. Units come in registration (pre-)order, the root first.
+    """
+    if isinstance(wrap, type):
+        wrap = (wrap,)
+    is_unit = wrap if callable(wrap) and not isinstance(wrap, type) else (
+        lambda m: isinstance(m, tuple(wrap or ())))
+    owner_of: dict[nn.Module, nn.Module] = {module: module}
+    order = [module]
+    for _name, m in module.named_modules():
+        for child in m.children():
+            owner_of.setdefault(child, child if is_unit(child) else owner_of[m])
+            if child is owner_of[child] and child not in order:
+                order.append(child)
+    params: dict[int, nn.Parameter] = {}
+    owners: dict[int, set] = {}
+    slots: dict[int, list] = {}
+    for m in module.modules():
+        for attr, p in m._parameters.items():
+            if p is None or not p.requires_grad:
+                continue
+            params[id(p)] = p
+            owners.setdefault(id(p), set()).add(owner_of[m])
+            slots.setdefault(id(p), []).append((m, attr))
+    per_unit: dict[nn.Module, list[int]] = {}
+    for pid in params:
+        own = owners[pid]
+        per_unit.setdefault(next(iter(own)) if len(own) == 1 else module, []).append(pid)
+    dtype = param_dtype
+    units = []
+    for m in order:
+        pids = per_unit.get(m)
+        if not pids:
+            continue
+        plist = [params[i] for i in pids]
+        us = [(mod, attr, k) for k, i in enumerate(pids) for mod, attr in slots[i]]
+        units.append(FlatUnit(len(units), m, plist, us, world, rank,
+                           dtype or plist[0].dtype))
+        for mod, attr, _k in us:
+            del mod._parameters[attr]
+            setattr(mod, attr, None)
+    return units
+
+
+def slot_names(root: nn.Module, unit: FlatUnit) -> list[str]:
+    """The original (state-dict) name of every place a unit's parameters lived."""
+    where = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+    return [f"{where[id(mod)]}.{attr}".lstrip(".") for mod, attr, _k in unit.slots]
