@@ -29,8 +29,11 @@ from torch import nn
 import gradsync as gs
 
 STRATEGIES = ["ddp", "zero1", "torch_zero1", "zero2", "zero3", "torch_fsdp2"]
+# variants, by name only (--only): the textbook collectives instead of the per-backend choice
+VARIANTS = ["zero1_native", "zero2_native", "zero3_native"]
 BASELINE = {"zero1": "torch_zero1", "zero3": "torch_fsdp2", "zero2": "torch_zero1",
-            "ddp": "torch_zero1"}
+            "ddp": "torch_zero1", "zero1_native": "torch_zero1",
+            "zero2_native": "torch_zero1", "zero3_native": "torch_fsdp2"}
 
 
 class Block(nn.Module):
@@ -52,6 +55,8 @@ def _peak_mib() -> float:
 
 
 def _build(strategy, width, depth):
+    collectives = "native" if strategy.endswith("_native") else "auto"
+    strategy = strategy.removesuffix("_native")
     torch.manual_seed(0)
     module = nn.Sequential(*[Block(width) for _ in range(depth)])
     kw = {"lr": 1e-4, "weight_decay": 0.01}
@@ -61,9 +66,9 @@ def _build(strategy, width, depth):
     if strategy in ("zero1", "zero2"):
         model = gs.DataParallel(module)
         return model, gs.ZeroOptimizer(model, torch.optim.AdamW, stage=int(strategy[-1]),
-                                       **kw), True
+                                       collectives=collectives, **kw), True
     if strategy == "zero3":
-        model = gs.FullyShardedDataParallel(module, wrap={Block})
+        model = gs.FullyShardedDataParallel(module, wrap={Block}, collectives=collectives)
         return model, torch.optim.AdamW(model.parameters(), **kw), True
     if strategy == "torch_zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -113,7 +118,7 @@ def main(argv=None) -> None:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--batch", type=int, default=64, help="samples per rank per step")
-    ap.add_argument("--only", nargs="*", default=STRATEGIES, choices=STRATEGIES)
+    ap.add_argument("--only", nargs="*", default=STRATEGIES, choices=STRATEGIES + VARIANTS)
     a = ap.parse_args(argv)
     times = {s: [] for s in a.only}
     peaks = {s: [] for s in a.only}

@@ -7,6 +7,7 @@ from .dist import init, is_main, rank, shutdown, world_size
 from .engine.clip import clip_grad_norm_
 from .engine.data_parallel import DataParallel
 from .engine.fsdp import FullyShardedDataParallel
+from .engine.mixed_dp import MixedPrecisionOptimizer
 from .engine.precision import MixedPrecision
 from .engine.zero import ZeroOptimizer
 from .errors import (
@@ -24,6 +25,7 @@ __all__ = [
     "DataParallel",
     "FullyShardedDataParallel",
     "MixedPrecision",
+    "MixedPrecisionOptimizer",
     "ZeroOptimizer",
     "clip_grad_norm_",
     "GradsyncError",

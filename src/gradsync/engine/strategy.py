@@ -20,6 +20,7 @@ from ..errors import UsageError
 from .data_parallel import DataParallel
 from .fsdp import FullyShardedDataParallel
 from .memory import MemoryReport, report_data_parallel
+from .mixed_dp import MixedPrecisionOptimizer
 from .precision import parse_precision
 from .zero import ZeroOptimizer
 
@@ -49,10 +50,9 @@ def build_strategy(module: nn.Module, strategy: str, precision: str, optimizer_c
         raise UsageError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     mp = parse_precision(precision)
     if strategy == "ddp":
-        if mp is not None:
-            raise UsageError("--precision bf16 needs fp32 master weights: use --strategy zero1 "
-                             "(same memory for the model, optimizer state sharded)")
         model = DataParallel(module, group=group, bucket_cap_mb=bucket_mb)
+        if mp is not None:
+            return model, MixedPrecisionOptimizer(model, optimizer_class, mp, **opt_kwargs)
         return model, optimizer_class(model.parameters(), **opt_kwargs)
     if strategy in ("zero1", "zero2"):
         model = DataParallel(module, group=group, bucket_cap_mb=bucket_mb)
@@ -66,7 +66,7 @@ def build_strategy(module: nn.Module, strategy: str, precision: str, optimizer_c
 
 def memory_report(model, optimizer) -> MemoryReport:
     """This rank's memory report for any pair returned by :func:`build_strategy`."""
-    if isinstance(optimizer, ZeroOptimizer):
+    if isinstance(optimizer, (ZeroOptimizer, MixedPrecisionOptimizer)):
         return optimizer.memory_report()
     if isinstance(model, FullyShardedDataParallel):
         return model.memory_report(optimizer)
