@@ -49,9 +49,10 @@ class Net(nn.Module):
         return self.head(self.blocks(torch.tanh(self.inp(x))))
 
 
-def _fsdp(factory, wrap, kind, schedule, clip=None, collectives="auto"):
+def _fsdp(factory, wrap, kind, schedule, clip=None, collectives="auto", prefetch=1):
     x, y = dataset()
-    model = gs.FullyShardedDataParallel(factory(), wrap=wrap, collectives=collectives)
+    model = gs.FullyShardedDataParallel(factory(), wrap=wrap, collectives=collectives,
+                                        prefetch=prefetch)
     cls, kw = optimizer_spec(kind)
     opt = cls(model.parameters(), **kw)
 
@@ -71,8 +72,9 @@ def _fsdp(factory, wrap, kind, schedule, clip=None, collectives="auto"):
     return list(model.full_state_dict().items())
 
 
-def _both(factory, wrap, schedule, clip=None, collectives="auto"):
-    return {k: _fsdp(factory, wrap, k, schedule, clip, collectives) for k in ("sgd", "adamw")}
+def _both(factory, wrap, schedule, clip=None, collectives="auto", prefetch=1):
+    return {k: _fsdp(factory, wrap, k, schedule, clip, collectives, prefetch)
+            for k in ("sgd", "adamw")}
 
 
 def _check(results, factory, schedule, clip=None):
@@ -96,7 +98,8 @@ SCHED = {w: uneven_schedule(STEPS, w, same_micro_steps=True) for w in (2, 3)}
 def _jobs(world):
     """Everything this module runs on ``world`` workers, in one spawn (tests stay fast)."""
     if world == 2:
-        return [(_both, (Net, {Block}, SCHED[2], None, "native")), (_count, ()),
+        # world 2 without prefetch, world 3 with it: both gather schedules are exact
+        return [(_both, (Net, {Block}, SCHED[2], None, "native", 0)), (_count, ()),
                 (_bf16, (20,))]
     return [(_both, (Net, {Block}, SCHED[3], None, "auto")),
             (_both, (Tied, {nn.Linear}, SCHED[3])), (_both, (Tiny, None, SCHED[3], 0.05))]
