@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import UnusedParametersError, UsageError
-from . import comm
+from . import comm, tracing
 from .bucketing import BucketSpec, ParamSpec, mb_to_bytes, plan_buckets
 from .buckets import Bucket
 from .replicas import broadcast_module_state, broadcast_tensors, comm_device, verify_same_structure
@@ -136,6 +136,7 @@ class DataParallel(nn.Module):
         self._order_log: list[int] | None = None
         self._rebuilt = False
         self._hooks: list = []
+        self._trace_t0: float | None = None
 
         self._install_buckets(
             plan_buckets(self._specs, self.bucket_cap_bytes, self.first_bucket_bytes))
@@ -163,6 +164,8 @@ class DataParallel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
+        tracer = tracing.ACTIVE
+        t0 = tracing.now() if tracer is not None else 0.0
         grad_on = torch.is_grad_enabled()
         if grad_on:
             if not self._in_backward:
@@ -176,6 +179,8 @@ class DataParallel(nn.Module):
             for t in _tensors_in(out):
                 if t.requires_grad:
                     t.register_hook(self._output_grad_hook)
+        if tracer is not None:
+            tracer.record("forward", "compute", t0, tracing.now(), sync=self._require_sync)
         return out
 
     def _output_grad_hook(self, grad):
@@ -234,6 +239,7 @@ class DataParallel(nn.Module):
         if self._in_backward:
             return
         self._in_backward = True
+        self._trace_t0 = tracing.now() if tracing.ACTIVE is not None else None
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if not self._pass_accounted:
             self._win_plain_passes += 1
@@ -283,6 +289,7 @@ class DataParallel(nn.Module):
             self._next_bucket += 1
 
     def _end_of_backward(self) -> None:
+        sync = self._syncing
         try:
             if self._syncing:
                 self._finish_sync()
@@ -292,6 +299,10 @@ class DataParallel(nn.Module):
             self._forward_sync = None
             for b in self._buckets:
                 b.reset()
+            if self._trace_t0 is not None and tracing.ACTIVE is not None:
+                tracing.ACTIVE.record("backward", "compute", self._trace_t0, tracing.now(),
+                                      sync=sync)
+            self._trace_t0 = None
 
     def _finish_sync(self) -> None:
         missing = [i for i, ready in enumerate(self._ready) if not ready]
@@ -301,10 +312,14 @@ class DataParallel(nn.Module):
                 bucket.adopt(slot)
             bucket.pending -= 1
         self._launch_ready_buckets()
+        t_wait = tracing.now() if tracing.ACTIVE is not None else None
         self._meta.wait()
         items, item_passes, plain_passes = self._meta_tensor.tolist()
         for b in self._buckets:
             b.handle.wait()
+        if t_wait is not None and tracing.ACTIVE is not None:  # end of backward blocked on comm
+            tracing.ACTIVE.record("sync wait", "wait", t_wait, tracing.now(),
+                                  buckets=len(self._buckets))
         self._meta = None
         window = (self._win_items, self._win_item_passes, self._win_plain_passes)
         self._win_items, self._win_item_passes, self._win_plain_passes = 0.0, 0, 0
