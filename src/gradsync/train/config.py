@@ -40,6 +40,12 @@ class TrainConfig:
     resume: bool = field(default=False, metadata={"help": "continue from the checkpoint in --out"})
     timeout: float = field(default=300.0, metadata={"help": "seconds a collective may wait before the run fails"})
     port: int = field(default=0, metadata={"help": "rendezvous port on localhost (0: pick a free one)"})
+    trace: bool = field(default=False, metadata={"help": "record a Chrome trace (trace.json: forward, backward, each bucket's all-reduce, waits, optimizer; one process per rank) for the --trace-steps window"})
+    trace_steps: str = field(default="", metadata={"help": "steps to trace, FIRST:LAST (1-based, inclusive) or one step; implies --trace (default with --trace: 3:5, clipped to the run)"})
+    drift_every: int = field(default=50, metadata={"help": "compare a checksum of every parameter across workers every N steps and at the end; a mismatch stops the run naming the parameter (0: off)"})
+    baseline: bool = field(default=False, metadata={"help": "first run a short 1-worker baseline with the same micro-batch and accumulation (in OUT/baseline) to report scaling efficiency (gradsync train only)"})
+    baseline_steps: int = field(default=8, metadata={"help": "steps of the --baseline run"})
+    no_report: bool = field(default=False, metadata={"help": "do not write report.html and its figures at the end of the run"})
 
     def __post_init__(self) -> None:
         positive = ("workers", "steps", "global_batch", "micro_batch", "seq_len")
@@ -65,6 +71,37 @@ class TrainConfig:
                              f"use one of {', '.join(DATA_FOR_MODEL[self.model])}")
         if not self.out:
             self.out = time.strftime("runs/%Y%m%d-%H%M%S")
+        if self.drift_every < 0 or self.baseline_steps < 1:
+            raise UsageError("--drift-every must be >= 0 and --baseline-steps >= 1")
+        if self.trace_steps:
+            self.trace = True
+        self.trace_window()
+
+    def trace_window(self) -> tuple[int, int] | None:
+        """The traced steps (1-based, inclusive), or None; checked against --steps."""
+        if not self.trace:
+            return None
+        if not self.trace_steps:
+            first = min(3, self.steps)
+            return first, min(first + 2, self.steps)
+        text = self.trace_steps.strip()
+        parts = text.split(":")
+        try:
+            if len(parts) == 1:
+                first = last = int(parts[0])
+            elif len(parts) == 2:
+                first, last = int(parts[0]), int(parts[1])
+            else:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"--trace-steps must be FIRST:LAST or one step number, "
+                             f"got {self.trace_steps!r}") from None
+        if first < 1 or last < first:
+            raise UsageError(f"--trace-steps {text}: need 1 <= FIRST <= LAST")
+        if last > self.steps:
+            raise UsageError(f"--trace-steps {text} goes beyond the last step (--steps "
+                             f"{self.steps}); choose a window within 1:{self.steps}")
+        return first, last
 
     def accumulation(self, world_size: int) -> int:
         """Micro-steps per optimizer step; the global batch must divide exactly."""

@@ -22,11 +22,13 @@ import torch.distributed as dist
 
 from .. import dist as gdist
 from ..data import DistributedSampler
+from ..engine import tracing
 from ..engine.data_parallel import DataParallel
 from ..errors import UsageError
 from .checkpoint import CHECKPOINT, atomic_save, load_checkpoint, remove_stale_temporaries
 from .config import TrainConfig
 from .data_setup import build_task, collate
+from .instrument import Instruments
 from .progress import MetricsWriter, RunDisplay
 
 FAULT_ENV = "GRADSYNC_FAULT"
@@ -175,6 +177,11 @@ def run_worker(cfg_dict: dict) -> dict | None:
 
     unit = "tok" if task.tokens_per_sample else "samples"
     per_step_units = cfg.global_batch * (task.tokens_per_sample or 1)
+    units = {"samples": cfg.global_batch}
+    if task.tokens_per_sample:
+        units["tokens"] = cfg.global_batch * task.tokens_per_sample
+    baseline_rate = _baseline_rate(cfg) if rank == 0 else None
+    inst = Instruments(cfg, rank, world, device)
     writer = MetricsWriter(os.path.join(cfg.out, "metrics.jsonl")) if rank == 0 else None
     if rank == 0:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
@@ -194,6 +201,7 @@ def run_worker(cfg_dict: dict) -> dict | None:
     loop_started = time.perf_counter()
     with display if display else contextlib.nullcontext():
         for step in range(start_step, cfg.steps):
+            inst.begin_step(step + 1)
             t0 = time.perf_counter()
             loss_sum, items = 0.0, 0
             for k in range(accum):
@@ -207,32 +215,31 @@ def run_worker(cfg_dict: dict) -> dict | None:
                     dp.backward(micro_loss, num_items=n)
                 loss_sum += micro_loss.item() * n
                 items += n
-            if cfg.clip:
-                torch.nn.utils.clip_grad_norm_(dp.parameters(), cfg.clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            totals = torch.tensor([loss_sum, float(items)], dtype=torch.float64, device=device)
-            dist.all_reduce(totals)
-            loss = float(totals[0] / totals[1])
+            with tracing.span("optimizer"):
+                if cfg.clip:
+                    torch.nn.utils.clip_grad_norm_(dp.parameters(), cfg.clip)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+            stats = inst.gather_stats(loss_sum, float(items))
+            total_loss, total_items = float(stats[:, 0].sum()), float(stats[:, 1].sum())
+            loss = total_loss / total_items
             step_s = time.perf_counter() - t0
             step_times.append(step_s)
+            inst.end_step(step + 1)
             if rank == 0:
-                writer.write(
-                    {
-                        "step": step + 1,
-                        "loss": loss,
-                        "lr": sched.get_last_lr()[0],
-                        "step_time_s": step_s,
-                        "items": int(totals[1]),
-                        f"{unit}_per_s": per_step_units / step_s,
-                        "time_s": time.perf_counter() - loop_started,
-                    }
-                )
+                base = {"step": step + 1, "loss": loss, "lr": sched.get_last_lr()[0],
+                        "items": int(total_items), f"{unit}_per_s": per_step_units / step_s,
+                        "time_s": time.perf_counter() - loop_started}
+                writer.write(inst.record(step + 1, stats, step_s, base, units, baseline_rate))
                 display.update(step + 1, loss, per_step_units / step_s, step_s)
             done = step + 1
+            if done == start_step + 1:
+                inst.write_plan(dp)
+            inst.maybe_check_drift(done, dp.module)
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
                 _save(cfg, ckpt_path, done, world, dp, opt, sched, sampler, loss)
+    inst.close()
     if writer:
         writer.close()
     if rank != 0:
@@ -251,7 +258,13 @@ def run_worker(cfg_dict: dict) -> dict | None:
         "total_wall_s": time.perf_counter() - started,
         "checkpoint": ckpt_path,
         "buckets": len(dp.bucket_plan),
+        "samples_per_s": cfg.global_batch / median_step,
+        "drift": inst.drift,
+        "traced_steps": list(inst.window) if inst.window else None,
     }
+    if baseline_rate:
+        summary["baseline_samples_per_s"] = baseline_rate
+        summary["scaling_efficiency"] = summary["samples_per_s"] / (world * baseline_rate)
     with open(os.path.join(cfg.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     display.summary(
@@ -261,9 +274,37 @@ def run_worker(cfg_dict: dict) -> dict | None:
             ("median step time", f"{median_step * 1e3:.1f} ms"),
             ("workers x accumulation", f"{world} x {accum}"),
             ("gradient buckets", str(summary["buckets"])),
+            ("scaling efficiency vs 1 worker",
+             f"{summary['scaling_efficiency']:.0%}" if baseline_rate else "(run with --baseline)"),
             ("wall time", f"{summary['total_wall_s']:.1f} s"),
             ("checkpoint", ckpt_path),
         ],
         title=f"gradsync train: {cfg.model} on {cfg.data}",
     )
+    if not cfg.no_report:
+        _write_report(cfg.out)
     return summary
+
+
+def _baseline_rate(cfg: TrainConfig) -> float | None:
+    """Samples/s of the 1-worker baseline run in OUT/baseline, if one was run."""
+    path = os.path.join(cfg.out, "baseline", "summary.json")
+    try:
+        with open(path) as f:
+            return float(json.load(f)["samples_per_s"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _write_report(out: str) -> None:
+    """The report is a convenience: a failure to draw it must not fail the run."""
+    try:
+        from ..observe.report import write_report
+
+        result = write_report(out)
+        print(f"report: {result.html}", flush=True)
+        for line in result.missing:
+            print(f"report: missing: {line}", flush=True)
+    except Exception as e:  # noqa: BLE001 - report the problem, keep the trained run
+        print(f"gradsync train: warning: could not write the report: "
+              f"{type(e).__name__}: {e}", flush=True)
