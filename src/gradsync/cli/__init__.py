@@ -18,6 +18,7 @@ from ..errors import UsageError
 COMMANDS: list[tuple[str, str]] = [
     ("train", "train a model data-parallel on K workers (the main job)"),
     ("verify", "check exactness against one process, or audit the sampler"),
+    ("report", "write a run's report.html (loss, throughput, step timeline, memory, drift)"),
 ]
 
 
