@@ -27,8 +27,9 @@ Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", arXiv 2205.05198, section 4.1): per transformer layer
 in 16-bit, ``s*b*h*(34 + 5*a*s/h)`` bytes = 34sbh + 5as^2b; with selective
 recomputation (attention scores recomputed) 34sbh; with full activation
-checkpointing only the layer input is kept, 2sbh per layer (plus one layer's
-working set during its recomputation, which we add once). ZeRO cannot shard
+checkpointing only the layer input is kept, 2sbh per layer (the paper's count;
+the one layer being recomputed briefly needs its full working set on top, which
+the paper, and so this estimate, leaves out). ZeRO cannot shard
 activations: each rank's micro-batch is its own.
 """
 
@@ -103,7 +104,7 @@ def activation_bytes(shape: ActivationShape) -> float:
         return float(L * full_layer)
     if shape.checkpointing == "selective":
         return float(L * 34 * s * b * h)
-    return float(L * 2 * s * b * h + full_layer)
+    return float(L * 2 * s * b * h)
 
 
 @dataclass(frozen=True)
