@@ -60,7 +60,8 @@ def test_volumes_zero3_is_one_and_a_half_times_dp():
 def test_collective_identities():
     S, bw, a = 1e8, 1e10, 1e-5
     for n in (2, 8, 64):
-        assert ring_allreduce_time(S, n, bw, a) == pytest.approx(2 * reduce_scatter_time(S, n, bw, a))
+        ring = ring_allreduce_time(S, n, bw, a)
+        assert ring == pytest.approx(2 * reduce_scatter_time(S, n, bw, a))
         assert tree_allreduce_time(S, n, bw, a) <= ring_allreduce_time(S, n, bw, a)
     assert ring_allreduce_time(S, 1, bw, a) == 0
     # hierarchical with one worker per node is a ring over everyone

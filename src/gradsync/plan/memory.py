@@ -89,11 +89,11 @@ class ActivationShape:
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "hidden", "layers", "heads"):
             if getattr(self, name) <= 0:
-                raise UsageError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                flag = name.replace("_", "-")
+                raise UsageError(f"{flag} must be >= 1, got {getattr(self, name)}")
         if self.checkpointing not in CHECKPOINTING:
-            raise UsageError(
-                f"unknown checkpointing {self.checkpointing!r} (choose from {', '.join(CHECKPOINTING)})"
-            )
+            choices = ", ".join(CHECKPOINTING)
+            raise UsageError(f"unknown checkpointing {self.checkpointing!r} (choose from {choices})")
 
 
 def activation_bytes(shape: ActivationShape) -> float:
