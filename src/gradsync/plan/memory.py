@@ -93,7 +93,7 @@ class ActivationShape:
                 raise UsageError(f"{flag} must be >= 1, got {getattr(self, name)}")
         if self.checkpointing not in CHECKPOINTING:
             choices = ", ".join(CHECKPOINTING)
-            raise UsageError(f"unknown checkpointing {self.checkpointing!r} (choose from {choices})")
+            raise UsageError(f"unknown checkpointing {self.checkpointing!r} (one of {choices})")
 
 
 def activation_bytes(shape: ActivationShape) -> float:
