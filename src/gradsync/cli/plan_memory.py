@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 
 from ..errors import UsageError
-from ..plan.memory import CHECKPOINTING, OPTIMIZERS, ActivationShape, plan_memory
-from ..plan.memory import resolve_param_count
+from ..plan.memory import (
+    CHECKPOINTING,
+    OPTIMIZERS,
+    ActivationShape,
+    plan_memory,
+    resolve_param_count,
+)
 from ..plan.units import parse_bytes
 from ._common import positive, print_json
 
