@@ -5,7 +5,7 @@ import json
 import pytest
 
 from gradsync.cli import main
-from gradsync.plan.simulate import PROFILE_VERSION, profile_to_json, synthetic_profile
+from gradsync.plan.profile import PROFILE_VERSION, profile_to_json, synthetic_profile
 
 
 def run(capsys, *argv):

@@ -8,16 +8,14 @@ from hypothesis import strategies as st
 
 from gradsync.engine.bucketing import mb_to_bytes, plan_buckets
 from gradsync.errors import UsageError
-from gradsync.plan.simulate import (
+from gradsync.plan.profile import (
     PROFILE_VERSION,
-    allreduce_cost,
     load_profile,
     profile_from_dict,
     profile_to_json,
-    simulate_step,
-    sweep_bucket_sizes,
     synthetic_profile,
 )
+from gradsync.plan.simulate import allreduce_cost, simulate_step, sweep_bucket_sizes
 
 
 def total_bytes(p):

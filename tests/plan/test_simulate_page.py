@@ -16,7 +16,8 @@ import subprocess
 import pytest
 
 from gradsync.observe.simulate_page import render_simulate_page
-from gradsync.plan.simulate import simulate_step, sweep_bucket_sizes, synthetic_profile
+from gradsync.plan.profile import synthetic_profile
+from gradsync.plan.simulate import simulate_step, sweep_bucket_sizes
 
 KW = dict(layers=24, params_per_layer=1_000_000, backward_s_per_layer=2e-3, tensors_per_layer=4,
           itemsize=4, forward_s=None, optimizer_s=1e-3, alpha_s=1e-3, bandwidth=1e9, world_size=2)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 
 from ..errors import UsageError
+from ..plan.profile import load_profile, synthetic_profile
 from ..plan.simulate import (
     DEFAULT_BUCKET_MB,
     DEFAULT_FIRST_BUCKET_MB,
-    load_profile,
     simulate_step,
     sweep_bucket_sizes,
-    synthetic_profile,
 )
 from ..plan.units import parse_count, parse_rate, parse_time
 from ._common import positive

@@ -16,7 +16,8 @@ from dataclasses import asdict
 from importlib import resources
 
 from ..errors import UsageError
-from ..plan.simulate import PROFILE_VERSION, StepProfile, StepResult, Sweep
+from ..plan.profile import PROFILE_VERSION, StepProfile
+from ..plan.simulate import StepResult, Sweep
 
 CSS = """
 body{font:14px system-ui,sans-serif;margin:20px;color:#222;max-width:960px}

@@ -12,16 +12,19 @@ ZeRO shards what each stage owns across the N data-parallel ranks:
 
 With fp32 gradient accumulation the gradient block is 2P + 4P = 6P (20P in all).
 
-Why DeepSpeed's estimator disagrees. ``estimate_zero2_model_states_mem_needs``
-(deepspeed/runtime/zero/stage_1_and_2.py) returns ``4P + 16P/N`` without CPU
-offload: the 16-bit parameters and the *full* 16-bit gradients (2P + 2P; stage 2
-still materialises a full gradient before the reduce-scatter frees it) plus, per
-rank, the fp32 master copy, m, v **and the fp32 gradient partition** the optimizer
-step reads (4 + 4 + 4 + 4 = 16 bytes per parameter, sharded). Counting that fp32
-gradient copy on top of the paper's 14P/N gives the often-quoted 2P + 18P/N; this
-planner reproduces it with ``fp32_grad_accum=True`` (gradient block 2 + 4 bytes,
-sharded at stage 2). :func:`deepspeed_zero2_estimate` gives DeepSpeed's own number
-for comparison. Neither is wrong: they count different buffers.
+Why DeepSpeed's estimator prints 2P + 18P/N for stage 2.
+``estimate_zero2_model_states_mem_needs`` (deepspeed/runtime/zero/stage_1_and_2.py,
+current deepspeedai/DeepSpeed) returns ``2P + int(18P/N)`` without CPU offload, its
+comment reading "18 = 2_grads_16bit + 4_grads_32bit + 4_params_32bit +
+8_optimizer_states_32bit". The extra 4 bytes over the paper's 14P/N are the
+**fp32 gradient partition** the optimizer step reads: DeepSpeed accumulates and
+reduces gradients into an fp32 buffer for the shard each rank owns (its
+``gradient_accumulation_dtype`` defaults to fp32), and the paper's count leaves
+that buffer out. This planner gives the same number with ``fp32_grad_accum=True``
+(gradient block 2 + 4 bytes, sharded at stage 2): 2P + (2 + 4 + 12)P/N. Older
+DeepSpeed releases returned ``4P + 16P/N`` instead (full 16-bit gradients kept
+unsharded); :func:`deepspeed_zero2_estimate` returns either. Note also that
+DeepSpeed prints with GB = 2^30 bytes while this planner uses 10^9.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", arXiv 2205.05198, section 4.1): per transformer layer
@@ -36,6 +39,8 @@ activations: each rank's micro-batch is its own.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
@@ -167,9 +172,11 @@ def plan_memory(
     return MemoryPlan(int(num_params), int(world_size), bpp, act, device_memory, tuple(stages))
 
 
-def deepspeed_zero2_estimate(num_params: float, world_size: int) -> float:
-    """DeepSpeed's stage-2 GPU estimate without offload: 4P + 16P/N (see module doc)."""
-    return 4 * num_params + int(16 * num_params / world_size)
+def deepspeed_zero2_estimate(num_params: float, world_size: int, legacy: bool = False) -> float:
+    """DeepSpeed's stage-2 GPU bytes without offload: 2P + 18P/N (legacy: 4P + 16P/N)."""
+    if legacy:
+        return 4 * num_params + int(16 * num_params / world_size)
+    return 2 * num_params + int(18 * num_params / world_size)
 
 
 def count_module_params(module) -> int:
@@ -215,6 +222,8 @@ def _count_from_factory(text: str) -> tuple[int, str]:
     mod_name, _, attr = text.partition(":")
     if not mod_name or not attr:
         raise UsageError(f"expected module:factory, got {text!r}")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: the user's own modules import
     try:
         module = importlib.import_module(mod_name)
     except Exception as e:  # ImportError, or anything the module raises on import
