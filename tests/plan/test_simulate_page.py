@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 from gradsync.observe.simulate_page import render_simulate_page
-from gradsync.plan.profile import synthetic_profile
+from gradsync.plan.profile import ParamProfile, synthetic_profile
 from gradsync.plan.simulate import simulate_step, sweep_bucket_sizes
 
 KW = dict(layers=24, params_per_layer=1_000_000, backward_s_per_layer=2e-3, tensors_per_layer=4,
@@ -69,11 +69,12 @@ def chromium():
     return None
 
 
-@pytest.mark.skipif(chromium() is None,
-                    reason="no chromium on PATH; .ci/browser-install.sh installs Debian's")
-def test_page_in_headless_chromium(tmp_path):
-    prof, res, page = make_page()
-    moves = [["s-bucket", 0], ["s-bucket", 3.5], ["s-layers", 7], ["s-bw", 0.5], ["s-alpha", 2]]
+needs_chromium = pytest.mark.skipif(
+    chromium() is None, reason="no chromium on PATH; .ci/browser-install.sh installs Debian's")
+
+
+def run_in_chromium(page, moves, tmp_path):
+    """Load the page with the harness; returns what the harness saw."""
     page = page.replace("<head>", "<head>" + HEAD, 1)
     page = page.replace("</body>", TAIL % json.dumps(moves) + "</body>", 1)
     path = tmp_path / "page.html"
@@ -86,10 +87,18 @@ def test_page_in_headless_chromium(tmp_path):
     )
     m = re.search(r'<pre id="gs-test-result">(.*?)</pre>', proc.stdout, re.S)
     assert m, f"harness output missing; chromium rc={proc.returncode}: {proc.stderr[-2000:]}"
-    out = json.loads(m.group(1).replace("&quot;", '"').replace("&amp;", "&")
-                     .replace("&lt;", "<").replace("&gt;", ">"))
+    out = json.loads(m.group(1).replace("&quot;", '"').replace("&lt;", "<")
+                     .replace("&gt;", ">").replace("&amp;", "&"))
     console = [ln for ln in proc.stderr.splitlines() if ":CONSOLE" in ln]
     assert out["errors"] == [] and console == [], (out["errors"], console)
+    return out
+
+
+@needs_chromium
+def test_page_in_headless_chromium(tmp_path):
+    prof, res, page = make_page()
+    moves = [["s-bucket", 0], ["s-bucket", 3.5], ["s-layers", 7], ["s-bw", 0.5], ["s-alpha", 2]]
+    out = run_in_chromium(page, moves, tmp_path)
 
     # at the initial settings the JavaScript reproduces Python's step time
     assert out["initial"]["agree"] == "true"
@@ -113,3 +122,23 @@ def test_page_in_headless_chromium(tmp_path):
         expect = simulate_step(synthetic_profile(**kw), bucket).step_s
         assert seen["step"] == pytest.approx(expect, rel=1e-9), (slider, v)
         assert seen["agree"] == "n/a"
+
+
+@needs_chromium
+def test_profile_page_non_uniform_in_chromium(tmp_path):
+    """A measured (non-uniform, mixed-dtype) profile: no layer slider, same agreement."""
+    base = synthetic_profile(layers=6, params_per_layer=300_000, tensors_per_layer=3)
+    params = tuple(
+        ParamProfile(p.name, p.numel * (1 + k % 4), 2 if k % 5 == 0 else 4,
+                     p.backward_s * (0.5 + k % 3), "bfloat16" if k % 5 == 0 else "float32")
+        for k, p in enumerate(base.params)
+    )
+    prof = base.with_(params=params, optimizer_s=3e-3)
+    res = simulate_step(prof, 2.0, 0.5)
+    page = render_simulate_page(prof, res, sweep_bucket_sizes(prof, first_bucket_mb=0.5))
+    out = run_in_chromium(page, [["s-bucket", 5]], tmp_path)
+    assert out["initial"]["agree"] == "true"
+    assert out["initial"]["step"] == pytest.approx(res.step_s, rel=1e-12)
+    expect = simulate_step(prof, 32.0, 0.5).step_s
+    assert out["runs"][0]["step"] == pytest.approx(expect, rel=1e-9)
+    assert out["runs"][0]["step"] != out["initial"]["step"]
