@@ -78,3 +78,9 @@ def test_comm_bad_input():
         plan_comm(10, 2, [0], 1e9)
     with pytest.raises(UsageError):
         hierarchical_allreduce_time(1e6, 12, 8, 1e9, 1e9)
+
+
+def test_hierarchical_wins_when_latency_dominates():
+    small, a = 1e4, 5e-5  # 10 KB message, 50 us per hop: latency-bound
+    assert hierarchical_allreduce_time(small, 512, 8, 3e11, 25e9, a) < ring_allreduce_time(
+        small, 512, 25e9, a) / 4
