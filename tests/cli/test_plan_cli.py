@@ -72,7 +72,10 @@ def test_memory_module_factory(capsys):
 def test_bad_input_is_one_line_exit_2(capsys, argv, fragment):
     code, _, err = run(capsys, *argv)
     assert code == 2
-    assert fragment in one_line_error(err)
+    line = one_line_error(err)
+    assert fragment in line
+    prefix = "gradsync simulate" if argv[0] == "simulate" else f"gradsync plan {argv[1]}"
+    assert line.startswith(prefix + ": error: ")
 
 
 def test_argparse_errors_exit_2(capsys):

@@ -1,6 +1,8 @@
 """Seed numbers (seed 001) and edge cases of the memory planner."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradsync.errors import UsageError
 from gradsync.plan.memory import (
@@ -119,3 +121,14 @@ def test_builtin_model_guarded():
         assert "\n" not in str(e)
     else:
         assert n > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(P=st.integers(1, 10**12), N=st.integers(1, 4096),
+       opt=st.sampled_from(["adam", "sgd-momentum", "sgd"]), mixed=st.booleans())
+def test_stages_never_cost_more_than_the_one_before(P, N, opt, mixed):
+    totals = [s.total for s in plan_memory(P, N, opt, mixed).stages]
+    assert all(a >= b - 1e-6 * a for a, b in zip(totals, totals[1:]))
+    if N == 1:
+        assert totals == pytest.approx([totals[0]] * 4)
+    assert totals[-1] == pytest.approx(totals[0] / N)

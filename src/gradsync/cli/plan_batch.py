@@ -25,7 +25,7 @@ def register(subparsers, help_line: str):
     p.add_argument("--no-round", action="store_true",
                    help="do not round samples per step to the nearest power of two")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, command="plan batch")
     return p
 
 

@@ -30,7 +30,7 @@ def register(subparsers, help_line: str):
     p.add_argument("--intra-bandwidth", help="intra-node bandwidth for hierarchical")
     p.add_argument("--png", metavar="FILE", help="write time vs workers plot")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, command="plan comm")
     return p
 
 

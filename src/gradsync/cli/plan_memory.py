@@ -46,7 +46,7 @@ def register(subparsers, help_line: str):
     g.add_argument("--checkpointing", choices=CHECKPOINTING, default="none")
     p.add_argument("--png", metavar="FILE", help="write a stacked bar chart")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, command="plan memory")
     return p
 
 
