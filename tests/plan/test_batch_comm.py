@@ -11,6 +11,7 @@ from gradsync.plan.comm import (
     ring_allreduce_time,
     tree_allreduce_time,
 )
+from gradsync.plan.units import parse_rate
 
 
 def test_seed_batch_table():
@@ -84,3 +85,16 @@ def test_hierarchical_wins_when_latency_dominates():
     small, a = 1e4, 5e-5  # 10 KB message, 50 us per hop: latency-bound
     assert hierarchical_allreduce_time(small, 512, 8, 3e11, 25e9, a) < ring_allreduce_time(
         small, 512, 25e9, a) / 4
+
+
+@pytest.mark.parametrize("text,value", [("25GB/s", 25e9), ("25", 25e9), ("25GB", 25e9),
+                                         ("100Gbit/s", 12.5e9), ("100Gbps", 12.5e9),
+                                         ("750MB/s", 750e6), ("1GiB/s", 2**30)])
+def test_parse_rate(text, value):
+    assert parse_rate(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("bad", ["100Gb/s", "25XB/s", "0GB/s", "fast"])
+def test_parse_rate_rejects(bad):
+    with pytest.raises(UsageError):
+        parse_rate(bad)

@@ -66,16 +66,33 @@ def parse_bytes(text: str | float | int, what: str = "size") -> float:
     return _positive(value * _BYTE_UNITS[key], text, what)
 
 
+_BIT_PREFIX = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
 def parse_rate(text: str | float | int, what: str = "bandwidth") -> float:
-    """'25GB/s' or '25GB' or '25' (GB/s assumed for a bare number) -> bytes per second."""
+    """'25GB/s', '25GB' or '25' (GB/s for a bare number) -> bytes per second.
+
+    Network links are often quoted in bits: '100Gbit/s' and '100Gbps' are read as
+    bits (divided by 8); '100Gb/s' is refused as ambiguous rather than guessed,
+    since reading it as bytes would be an 8x error.
+    """
     if isinstance(text, (int, float)):
         return _positive(float(text), str(text), what) * GB
     s = str(text).strip()
-    if s.lower().endswith("/s"):
+    if s.lower().endswith("bps"):
+        s = s[:-3] + "bit"
+    elif s.lower().endswith("/s"):
         s = s[:-2]
     value, unit = _split(s, what)
     if unit == "":
         return _positive(value, text, what) * GB
+    if unit.lower().endswith("bit") and unit[:-3].lower() in _BIT_PREFIX:
+        return _positive(value * _BIT_PREFIX[unit[:-3].lower()] / 8, text, what)
+    if len(unit) == 2 and unit[1] == "b" and unit[0].lower() in _BIT_PREFIX:
+        raise UsageError(
+            f"{what} {text!r} is ambiguous: write {unit[0].upper()}B/s for bytes "
+            f"or {unit[0].upper()}bit/s for bits"
+        )
     return parse_bytes(s, what)
 
 
