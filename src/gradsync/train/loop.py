@@ -275,7 +275,9 @@ def run_worker(cfg_dict: dict) -> dict | None:
             ("workers x accumulation", f"{world} x {accum}"),
             ("gradient buckets", str(summary["buckets"])),
             ("scaling efficiency vs 1 worker",
-             f"{summary['scaling_efficiency']:.0%}" if baseline_rate else "(run with --baseline)"),
+             f"{summary['scaling_efficiency']:.0%}" if baseline_rate
+             else "n/a (1 worker)" if world == 1 else "(run with --baseline)"),
+            ("drift check", _drift_line(inst.drift)),
             ("wall time", f"{summary['total_wall_s']:.1f} s"),
             ("checkpoint", ckpt_path),
         ],
@@ -284,6 +286,12 @@ def run_worker(cfg_dict: dict) -> dict | None:
     if not cfg.no_report:
         _write_report(cfg.out)
     return summary
+
+
+def _drift_line(drift: dict) -> str:
+    if not drift["every"]:
+        return "off"
+    return f"replicas identical ({drift['checks']} checks)" if drift["ok"] else "FAILED"
 
 
 def _baseline_rate(cfg: TrainConfig) -> float | None:
