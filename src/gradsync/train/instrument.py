@@ -139,3 +139,33 @@ class Instruments:
         if self.tracer is not None and self.tracing:
             self.tracer.stop()
         self.meter.close()
+
+
+def drift_line(drift: dict) -> str:
+    if not drift["every"]:
+        return "off"
+    return f"replicas identical ({drift['checks']} checks)" if drift["ok"] else "FAILED"
+
+
+def baseline_rate_of(cfg: TrainConfig) -> float | None:
+    """Samples/s of the 1-worker baseline run in OUT/baseline, if one was run."""
+    path = os.path.join(cfg.out, "baseline", "summary.json")
+    try:
+        with open(path) as f:
+            return float(json.load(f)["samples_per_s"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def write_report_safely(out: str) -> None:
+    """The report is a convenience: a failure to draw it must not fail the run."""
+    try:
+        from ..observe.report import write_report
+
+        result = write_report(out)
+        print(f"report: {result.html}", flush=True)
+        for line in result.missing:
+            print(f"report: missing: {line}", flush=True)
+    except Exception as e:  # noqa: BLE001 - report the problem, keep the trained run
+        print(f"gradsync train: warning: could not write the report: "
+              f"{type(e).__name__}: {e}", flush=True)

@@ -28,7 +28,7 @@ from ..errors import UsageError
 from .checkpoint import CHECKPOINT, atomic_save, load_checkpoint, remove_stale_temporaries
 from .config import TrainConfig
 from .data_setup import build_task, collate
-from .instrument import Instruments
+from .instrument import Instruments, baseline_rate_of, drift_line, write_report_safely
 from .progress import MetricsWriter, RunDisplay
 
 FAULT_ENV = "GRADSYNC_FAULT"
@@ -180,7 +180,7 @@ def run_worker(cfg_dict: dict) -> dict | None:
     units = {"samples": cfg.global_batch}
     if task.tokens_per_sample:
         units["tokens"] = cfg.global_batch * task.tokens_per_sample
-    baseline_rate = _baseline_rate(cfg) if rank == 0 else None
+    baseline_rate = baseline_rate_of(cfg) if rank == 0 else None
     inst = Instruments(cfg, rank, world, device)
     writer = MetricsWriter(os.path.join(cfg.out, "metrics.jsonl")) if rank == 0 else None
     if rank == 0:
@@ -277,42 +277,13 @@ def run_worker(cfg_dict: dict) -> dict | None:
             ("scaling efficiency vs 1 worker",
              f"{summary['scaling_efficiency']:.0%}" if baseline_rate
              else "n/a (1 worker)" if world == 1 else "(run with --baseline)"),
-            ("drift check", _drift_line(inst.drift)),
+            ("drift check", drift_line(inst.drift)),
             ("wall time", f"{summary['total_wall_s']:.1f} s"),
             ("checkpoint", ckpt_path),
         ],
         title=f"gradsync train: {cfg.model} on {cfg.data}",
     )
     if not cfg.no_report:
-        _write_report(cfg.out)
+        write_report_safely(cfg.out)
     return summary
 
-
-def _drift_line(drift: dict) -> str:
-    if not drift["every"]:
-        return "off"
-    return f"replicas identical ({drift['checks']} checks)" if drift["ok"] else "FAILED"
-
-
-def _baseline_rate(cfg: TrainConfig) -> float | None:
-    """Samples/s of the 1-worker baseline run in OUT/baseline, if one was run."""
-    path = os.path.join(cfg.out, "baseline", "summary.json")
-    try:
-        with open(path) as f:
-            return float(json.load(f)["samples_per_s"])
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def _write_report(out: str) -> None:
-    """The report is a convenience: a failure to draw it must not fail the run."""
-    try:
-        from ..observe.report import write_report
-
-        result = write_report(out)
-        print(f"report: {result.html}", flush=True)
-        for line in result.missing:
-            print(f"report: missing: {line}", flush=True)
-    except Exception as e:  # noqa: BLE001 - report the problem, keep the trained run
-        print(f"gradsync train: warning: could not write the report: "
-              f"{type(e).__name__}: {e}", flush=True)
