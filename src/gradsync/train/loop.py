@@ -239,6 +239,7 @@ def run_worker(cfg_dict: dict) -> dict | None:
         return None
     steady = sorted(step_times[min(3, len(step_times) - 1) :]) if step_times else [float("nan")]
     median_step = steady[len(steady) // 2]
+    tuned = dp.autotune_result
     summary = {
         "final_loss": loss,
         "steps": cfg.steps,
@@ -251,6 +252,12 @@ def run_worker(cfg_dict: dict) -> dict | None:
         "total_wall_s": time.perf_counter() - started,
         "checkpoint": ckpt_path,
         "buckets": len(dp.bucket_plan),
+        "bucket_cap_mb": dp.bucket_cap_bytes / 2**20,
+        "autotune": None if tuned is None else {
+            "candidates_mb": tuned.candidates_mb,
+            "median_s": tuned.median_s,
+            "chosen_mb": tuned.chosen_mb,
+        },
     }
     with open(os.path.join(cfg.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -260,7 +267,8 @@ def run_worker(cfg_dict: dict) -> dict | None:
             (f"throughput ({unit}/s, median step)", f"{summary[f'{unit}_per_s']:,.0f}"),
             ("median step time", f"{median_step * 1e3:.1f} ms"),
             ("workers x accumulation", f"{world} x {accum}"),
-            ("gradient buckets", str(summary["buckets"])),
+            ("gradient buckets", f"{summary['buckets']} (cap {summary['bucket_cap_mb']:.2f} MiB"
+                             + (", auto-tuned)" if tuned and tuned.chosen_mb else ")")),
             ("wall time", f"{summary['total_wall_s']:.1f} s"),
             ("checkpoint", ckpt_path),
         ],
