@@ -1,9 +1,11 @@
 """`gradsync verify`: the seeds' worked example on real processes, and the sampler audit."""
 
+import os
 import subprocess
 import sys
 
 CLI = [sys.executable, "-m", "gradsync.cli"]
+WIDE = {**os.environ, "COLUMNS": "200"}  # rich wraps tables to the terminal width
 
 
 def test_verify_reproduces_seed_example_with_eight_workers():
@@ -23,7 +25,7 @@ def test_verify_fails_loudly_when_tolerance_cannot_be_met():
 
 def test_verify_sampler_audit():
     r = subprocess.run([*CLI, "verify", "--sampler", "--n", "103", "--workers", "4"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, env=WIDE)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every index exactly once" in r.stdout
 

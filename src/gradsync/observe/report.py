@@ -91,7 +91,9 @@ def _key_numbers(run: RunData) -> list[tuple[str, str]]:
     eff = s.get("scaling_efficiency") or med("scaling_efficiency")
     rows.append(("scaling efficiency vs 1 worker",
                  f"{eff:.0%}" if eff else "no baseline (run gradsync train --baseline)"))
-    rows.append(("bucket cap", f"{c.get('bucket_mb', '?')} MiB"))
+    cap = s.get("bucket_cap_mb") or c.get("bucket_mb", "?")
+    auto = " (auto-tuned)" if c.get("bucket_mb") == "auto" else ""
+    rows.append(("bucket cap", f"{_fmt(cap, '.3g') if cap != '?' else cap} MiB{auto}"))
     return rows
 
 

@@ -28,7 +28,7 @@ class TrainConfig:
     micro_batch: int = field(default=8, metadata={"help": "samples per forward/backward on one worker"})
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate (linear warm-up, cosine decay to 10%%)"})
     warmup: int = field(default=20, metadata={"help": "warm-up steps"})
-    bucket_mb: float = field(default=25.0, metadata={"help": "gradient bucket cap in MiB (DDP's default is 25)"})
+    bucket_mb: float | str = field(default=25.0, metadata={"help": "gradient bucket cap in MiB (DDP's default is 25), or 'auto' to measure candidates during the first steps and keep the fastest", "type": lambda v: v if v == "auto" else float(v)})
     seed: int = field(default=0, metadata={"help": "seed for model initialisation and data order"})
     out: str = field(default="", metadata={"help": "run directory for metrics.jsonl, checkpoint.pt and summary.json (default runs/<date-time>)"})
     backend: str = field(default="auto", metadata={"help": "process-group backend: auto (nccl with CUDA, else gloo), gloo or nccl", "choices": BACKENDS})
@@ -53,7 +53,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        for name in ("lr", "bucket_mb", "timeout"):
+        if self.bucket_mb != "auto" and not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
+            raise UsageError(f"--bucket-mb must be > 0 or 'auto', got {self.bucket_mb!r}")
+        for name in ("lr", "timeout"):
             if not getattr(self, name) > 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)!r}")
         if self.warmup < 0 or self.checkpoint_every < 0 or self.clip < 0:
@@ -129,7 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
         if f.type in (bool, "bool"):
             parser.add_argument(flag, action="store_true", help=help_text)
             continue
-        kind = {"int": int, "float": float, "str": str}.get(str(f.type), str)
+        kind = meta.pop("type", None) or {"int": int, "float": float, "str": str}.get(str(f.type), str)
         default = f.default
         shown = "" if default in ("", None) else f" (default: {default})"
         parser.add_argument(flag, type=kind, default=default, help=help_text + shown, **meta)

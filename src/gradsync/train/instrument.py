@@ -46,7 +46,6 @@ class Instruments:
         self.tracer = Tracer(rank) if self.window else None
         self.tracing = False
         self.drift = {"checks": 0, "ok": True, "every": cfg.drift_every, "last_step": None}
-        self._plan_written = False
 
     # ---------------------------------------------------------------- per step
     def begin_step(self, step: int) -> None:
@@ -105,12 +104,15 @@ class Instruments:
 
     # ---------------------------------------------------------------- occasional
     def write_plan(self, dp) -> None:
-        """Rank 0: the parameters and the bucket plan in use (after the one rebuild)."""
-        if self.rank != 0 or self._plan_written:
+        """Rank 0: the parameters and the bucket plan in use now.
+
+        Called after the first step (the one rebuild), when the trace window closes
+        and at the end, so with ``--bucket-mb auto`` it follows the tuned cap.
+        """
+        if self.rank != 0:
             return
-        self._plan_written = True
         _write_json(os.path.join(self.cfg.out, PLAN_FILE), {
-            "bucket_cap_mb": self.cfg.bucket_mb,
+            "bucket_cap_mb": dp.bucket_cap_bytes / 2**20,
             "first_bucket_mb": dp.first_bucket_bytes / 2**20,
             "world_size": self.world,
             "params": [[p.name, p.numel, p.itemsize, p.dtype] for p in dp.param_specs],

@@ -234,7 +234,7 @@ def run_worker(cfg_dict: dict) -> dict | None:
                 writer.write(inst.record(step + 1, stats, step_s, base, units, baseline_rate))
                 display.update(step + 1, loss, per_step_units / step_s, step_s)
             done = step + 1
-            if done == start_step + 1:
+            if done in (start_step + 1, cfg.steps) or (inst.window and done == inst.window[1]):
                 inst.write_plan(dp)
             inst.maybe_check_drift(done, dp.module)
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
@@ -246,6 +246,7 @@ def run_worker(cfg_dict: dict) -> dict | None:
         return None
     steady = sorted(step_times[min(3, len(step_times) - 1) :]) if step_times else [float("nan")]
     median_step = steady[len(steady) // 2]
+    tuned = dp.autotune_result
     summary = {
         "final_loss": loss,
         "steps": cfg.steps,
@@ -261,6 +262,12 @@ def run_worker(cfg_dict: dict) -> dict | None:
         "samples_per_s": cfg.global_batch / median_step,
         "drift": inst.drift,
         "traced_steps": list(inst.window) if inst.window else None,
+        "bucket_cap_mb": dp.bucket_cap_bytes / 2**20,
+        "autotune": None if tuned is None else {
+            "candidates_mb": tuned.candidates_mb,
+            "median_s": tuned.median_s,
+            "chosen_mb": tuned.chosen_mb,
+        },
     }
     if baseline_rate:
         summary["baseline_samples_per_s"] = baseline_rate
@@ -273,11 +280,12 @@ def run_worker(cfg_dict: dict) -> dict | None:
             (f"throughput ({unit}/s, median step)", f"{summary[f'{unit}_per_s']:,.0f}"),
             ("median step time", f"{median_step * 1e3:.1f} ms"),
             ("workers x accumulation", f"{world} x {accum}"),
-            ("gradient buckets", str(summary["buckets"])),
             ("scaling efficiency vs 1 worker",
              f"{summary['scaling_efficiency']:.0%}" if baseline_rate
              else "n/a (1 worker)" if world == 1 else "(run with --baseline)"),
             ("drift check", drift_line(inst.drift)),
+            ("gradient buckets", f"{summary['buckets']} (cap {summary['bucket_cap_mb']:.2f} MiB"
+                             + (", auto-tuned)" if tuned and tuned.chosen_mb else ")")),
             ("wall time", f"{summary['total_wall_s']:.1f} s"),
             ("checkpoint", ckpt_path),
         ],
