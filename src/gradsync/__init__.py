@@ -31,6 +31,9 @@ _LAZY = {
     "shutdown": "gradsync.dist",
     "world_size": "gradsync.dist",
     "spawn": "gradsync.launch",
+    "check_replicas": "gradsync.engine.drift",
+    "Tracer": "gradsync.engine.tracing",
+    "write_report": "gradsync.observe.report",
 }
 
 __all__ = [
