@@ -142,6 +142,10 @@ def run(args) -> int:
         if m:
             raise UsageError(m.group(1)) from None
         print(f"gradsync train: error: {e}", file=sys.stderr)
+        if not cfg.no_report and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):
+            from ..train.instrument import write_report_safely
+
+            write_report_safely(cfg.out)  # a failed run is when the report is most needed
         return 1
     except (SignalException, KeyboardInterrupt):
         ckpt = os.path.join(cfg.out, CHECKPOINT)

@@ -32,7 +32,8 @@ from .instrument import Instruments, baseline_rate_of, drift_line, write_report_
 from .progress import MetricsWriter, RunDisplay
 
 FAULT_ENV = "GRADSYNC_FAULT"
-"""Testing aid: ``RANK:STEP:KIND`` (KIND raise | exit | kill) makes that rank fail mid-step."""
+"""Testing aid: ``RANK:STEP:KIND`` (KIND raise | exit | kill) makes that rank fail mid-step;
+KIND perturb nudges that rank's first parameter, so its replica drifts (for the drift check)."""
 
 _MUST_MATCH_ON_RESUME = ("model", "data", "seq_len", "global_batch", "micro_batch", "seed")
 
@@ -46,7 +47,7 @@ def _interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def _inject_fault(rank: int, step: int) -> None:
+def _inject_fault(rank: int, step: int, module=None) -> None:
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
@@ -57,6 +58,9 @@ def _inject_fault(rank: int, step: int) -> None:
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
     if kind == "exit":
         os._exit(7)
+    if kind == "perturb" and module is not None:
+        with torch.no_grad():
+            next(module.parameters()).view(-1)[0] += 1e-3
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -206,7 +210,7 @@ def run_worker(cfg_dict: dict) -> dict | None:
             loss_sum, items = 0.0, 0
             for k in range(accum):
                 if k == accum - 1:
-                    _inject_fault(rank, step)
+                    _inject_fault(rank, step, dp.module)
                 x, y = collate(task.dataset, next(batches))
                 x, y = x.to(device), y.to(device)
                 n = x.shape[0] * task.items_per_sample
