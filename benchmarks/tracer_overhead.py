@@ -9,7 +9,9 @@ Three variants of DataParallel train the same MLP on 2 gloo workers:
   every statement that mentions the tracer, so it is exactly today's engine minus
   tracing (the stripped source is checked to mention ``tracing`` only in its import);
 * ``off``: the shipped engine, no tracer active (the default);
-* ``on``: the shipped engine with a Tracer recording every span and collective.
+* ``on``: the shipped engine with a Tracer recording every span and collective;
+* ``none-b``: a second untraced copy, an A/A control: its distance from ``none``
+  is what this machine's noise and model placement alone produce.
 
 Timed blocks alternate (none, off, on, then rotated) inside one invocation, so
 drift of a shared, noisy machine hits all variants alike; each block's median step
@@ -83,8 +85,10 @@ def _mlp(width: int, depth: int) -> torch.nn.Module:
 
 def _worker(a: dict) -> dict | None:
     base = _mlp(a["width"], a["depth"])
+    untraced = untraced_data_parallel()
     variants = {
-        "none": untraced_data_parallel()(copy.deepcopy(base), bucket_cap_mb=a["bucket_mb"]),
+        "none": untraced(copy.deepcopy(base), bucket_cap_mb=a["bucket_mb"]),
+        "none-b": untraced(copy.deepcopy(base), bucket_cap_mb=a["bucket_mb"]),
         "off": gs.DataParallel(copy.deepcopy(base), bucket_cap_mb=a["bucket_mb"]),
         "on": gs.DataParallel(copy.deepcopy(base), bucket_cap_mb=a["bucket_mb"]),
     }
@@ -92,35 +96,40 @@ def _worker(a: dict) -> dict | None:
     x = torch.randn(a["batch"], a["width"], generator=torch.Generator().manual_seed(gs.rank()))
     tracer = tracing.Tracer(gs.rank())
 
-    def step(kind: str) -> float:
+    def step(kind: str) -> tuple[float, float]:
         dp, opt = variants[kind], opts[kind]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         dp.backward(dp(x).square().mean(), num_items=a["batch"])
         opt.step()
         opt.zero_grad()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.thread_time() - c0
 
     for kind in variants:  # warm-up, including the one bucket rebuild
         for _ in range(3):
             step(kind)
     order = list(variants)
     blocks: dict[str, list[float]] = {k: [] for k in variants}
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(a["rounds"]):
-        for kind in order[r % 3:] + order[: r % 3]:
+        k = r % len(order)
+        for kind in order[k:] + order[:k]:
             if kind == "on":
                 tracer.spans.clear()
                 tracer.start()
-            times = []
+            times, cpus = [], []
             for s in range(a["steps"]):
                 if kind == "on":
                     tracer.begin_step(s)
-                times.append(step(kind))
+                wall, c = step(kind)
+                times.append(wall)
+                cpus.append(c)
                 if kind == "on":
                     tracer.end_step()
             if kind == "on":
                 tracer.stop()
             blocks[kind].append(statistics.median(times))
-    return blocks if gs.rank() == 0 else None
+            cpu[kind].append(statistics.median(cpus))
+    return (blocks, cpu) if gs.rank() == 0 else None
 
 
 def off_path_bound_s(steps_per_check: int = 1_000_000) -> float:
@@ -158,17 +167,22 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=1.0, help="small: many buckets, worst case")
     p.add_argument("--workers", type=int, default=2)
     a = vars(p.parse_args())
-    blocks = gs.spawn(_worker, a.pop("workers"), a)[0]
+    blocks, cpu = gs.spawn(_worker, a.pop("workers"), a)[0]
     med = {k: statistics.median(v) for k, v in blocks.items()}
-    print(f"{'variant':8} {'median step':>12} {'vs none':>9}  (median of {a['rounds']} "
-          f"block medians, {a['steps']} steps each)")
-    for k in ("none", "off", "on"):
-        print(f"{k:8} {med[k] * 1e3:10.2f} ms {med[k] / med['none'] - 1:+8.2%}")
+    cmed = {k: statistics.median(v) for k, v in cpu.items()}
+    print(f"rank 0, median of {a['rounds']} block medians of {a['steps']} steps; wall = step "
+          "time, cpu = the training thread's CPU time (immune to other jobs' load)")
+    print(f"{'variant':8} {'wall':>10} {'vs none':>9} {'cpu':>10} {'vs none':>9}")
+    for k in ("none", "none-b", "off", "on"):
+        print(f"{k:8} {med[k] * 1e3:7.2f} ms {med[k] / med['none'] - 1:+8.2%} "
+              f"{cmed[k] * 1e3:7.2f} ms {cmed[k] / cmed['none'] - 1:+8.2%}")
     bound = off_path_bound_s()
     print(f"off-path checks alone: {bound * 1e9:.0f} ns per step = "
           f"{bound / med['none']:.5%} of a step (what off adds; block medians differ by noise)")
     print(json.dumps({"median_step_s": med, "off_vs_none": med["off"] / med["none"],
+                      "aa_control": med["none-b"] / med["none"],
                       "on_vs_none": med["on"] / med["none"], "off_path_bound_s": bound,
+                      "cpu_s": cmed, "cpu_off_vs_none": cmed["off"] / cmed["none"],
                       "args": a}))
 
 
