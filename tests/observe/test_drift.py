@@ -8,11 +8,11 @@ collective. The checksums are bit-exact, so a perturbation that keeps the sum
 """
 
 import torch
-from helpers import mlp
 
 import gradsync as gs
 from gradsync.engine.drift import check_replicas, parameter_checksums
 from gradsync.errors import ReplicaMismatchError
+from tests.helpers import mlp
 
 
 def _worker():

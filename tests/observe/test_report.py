@@ -15,9 +15,9 @@ import sys
 
 import matplotlib.image
 import pytest
-from plan.test_simulate_page import HEAD, chromium, needs_chromium
 
 from gradsync.observe.report import REPORT
+from tests.plan.test_simulate_page import HEAD, chromium, needs_chromium
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIGURES = ["loss.png", "throughput.png", "step_breakdown.png", "timeline.png", "memory.png"]

@@ -9,12 +9,12 @@ engine/comm is recorded. Step 1 is untraced: it proves off means off.
 import json
 
 import torch
-from helpers import dataset, mse
 
 import gradsync as gs
 from gradsync.engine import comm, tracing
 from gradsync.engine.tracing import Tracer
 from gradsync.observe.chrome import chrome_trace, rank_payload
+from tests.helpers import dataset, mse
 
 CAP_MB = 0.0002  # ~200 bytes: several buckets for the tiny MLP
 STEPS, TRACED = 3, (2, 3)
