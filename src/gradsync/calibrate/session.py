@@ -1,0 +1,87 @@
+"""One calibration: the link's alpha and beta and the model's backward, in one launch.
+
+``calibrate()`` times the model alone in this process first (compute without
+interference), then starts K workers once: they time the collectives and then
+the model's backward inside DataParallel under ``no_sync`` (all K computing at
+once, as in a training step). The profile it returns uses the K-worker timing,
+because that is the compute a K-worker step gets when the workers share the
+machine's cores; the ratio of the two is reported as the co-running slowdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from ..plan.profile import StepProfile
+from .backward import BackwardTiming, measure_single, worker_measure
+from .collectives import (
+    OPS,
+    CollectiveCalibration,
+    default_sizes,
+    summarise,
+    time_collectives_worker,
+)
+from .workload import check_spec
+
+
+@dataclass(frozen=True)
+class Calibration:
+    spec: str
+    workers: int
+    collectives: CollectiveCalibration
+    single: BackwardTiming  # one process alone
+    contended: BackwardTiming  # rank 0 of K workers computing at once
+    profile: StepProfile  # what `gradsync simulate --profile` reads
+
+    @property
+    def corun_slowdown(self) -> float:
+        """Backward time with K workers computing at once over backward time alone."""
+        return self.contended.backward_s / self.single.backward_s
+
+
+def _worker(spec, micro_batch, seq_len, ops, sizes, reps, runs, warmup):
+    timings = time_collectives_worker(ops, sizes, reps)
+    backward = worker_measure(spec, micro_batch, seq_len, runs, warmup)
+    return timings, backward
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Workers compute on one intra-op thread each; time the lone process the same way."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def calibrate(spec: str = "gpt", workers: int = 2, micro_batch: int | None = None,
+              seq_len: int | None = None, quick: bool = False, ops=OPS,
+              reps: int | None = None, runs: int | None = None) -> Calibration:
+    """Measure alpha/beta on ``workers`` processes and the model's backward; build the profile."""
+    if not isinstance(workers, int) or workers < 2:
+        raise UsageError(f"--workers must be an integer >= 2 (collectives need a peer), "
+                         f"got {workers!r}")
+    for flag, v in (("--micro-batch", micro_batch), ("--seq-len", seq_len)):
+        if v is not None and v < 1:
+            raise UsageError(f"{flag} must be >= 1, got {v}")
+    check_spec(spec)
+    reps = reps or (5 if quick else 9)
+    runs = runs or (3 if quick else 7)
+    warmup = 1 if quick else 2
+    sizes = default_sizes(quick)
+    with _one_thread():
+        single = measure_single(spec, micro_batch, seq_len, runs, warmup)
+    from ..launch import spawn
+
+    results = spawn(_worker, workers, spec, micro_batch, seq_len, tuple(ops), tuple(sizes),
+                    reps, runs, warmup)
+    coll = summarise([r[0] for r in results], sizes, reps)
+    contended = results[0][1]
+    profile = contended.to_profile(coll.alpha_s, coll.beta_s_per_byte, workers)
+    return Calibration(spec, workers, coll, single, contended, profile)
