@@ -62,7 +62,8 @@ def _one_thread():
 
 def calibrate(spec: str = "gpt", workers: int = 2, micro_batch: int | None = None,
               seq_len: int | None = None, quick: bool = False, ops=OPS,
-              reps: int | None = None, runs: int | None = None) -> Calibration:
+              reps: int | None = None, runs: int | None = None,
+              sizes=None) -> Calibration:
     """Measure alpha/beta on ``workers`` processes and the model's backward; build the profile."""
     if not isinstance(workers, int) or workers < 2:
         raise UsageError(f"--workers must be an integer >= 2 (collectives need a peer), "
@@ -74,7 +75,7 @@ def calibrate(spec: str = "gpt", workers: int = 2, micro_batch: int | None = Non
     reps = reps or (5 if quick else 9)
     runs = runs or (3 if quick else 7)
     warmup = 1 if quick else 2
-    sizes = default_sizes(quick)
+    sizes = list(sizes) if sizes is not None else default_sizes(quick)
     with _one_thread():
         single = measure_single(spec, micro_batch, seq_len, runs, warmup)
     from ..launch import spawn

@@ -20,6 +20,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("verify", "check exactness against one process, or audit the sampler"),
     ("plan", "plan before launching: memory, batch recipe, communication cost"),
     ("simulate", "simulate one step's backward/all-reduce overlap and sweep bucket sizes"),
+    ("calibrate", "measure this machine's alpha/beta and the model's backward; write a profile"),
 ]
 
 
