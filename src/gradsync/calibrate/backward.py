@@ -65,13 +65,14 @@ class BackwardTiming:
         out[order[-1]] += max(0.0, self.backward_s - prev)
         return out
 
-    def to_profile(self, alpha_s: float, beta_s_per_byte: float, world_size: int) -> StepProfile:
+    def to_profile(self, alpha_s: float, beta_s_per_byte: float, world_size: int,
+                   overlap_compute: float = 0.0, overlap_comm: float = 0.0) -> StepProfile:
         per = self.per_param_s()
         listed = list(reversed(self.ready_order()))
         params = tuple(ParamProfile(self.names[i], self.numels[i], self.itemsizes[i], per[i],
                                     self.dtypes[i]) for i in listed)
         return StepProfile(self.forward_s, params, self.optimizer_s, alpha_s, beta_s_per_byte,
-                           world_size)
+                           world_size, overlap_compute, overlap_comm)
 
 
 def _trainable(module):
@@ -82,11 +83,25 @@ def _trainable(module):
     return [(" = ".join(aliases[id(p)]), p) for p in module.parameters() if p.requires_grad]
 
 
-def time_passes(work: Workload, model, runs: int, warmup: int, zero_grad) -> BackwardTiming:
+def median_timing(timings: list[BackwardTiming]) -> BackwardTiming:
+    """Element-wise median of timings of the same model taken at different times."""
+    med = statistics.median
+    first = timings[0]
+    return BackwardTiming(
+        first.names, first.numels, first.itemsizes, first.dtypes,
+        ready_s=tuple(med(t.ready_s[i] for t in timings) for i in range(len(first.names))),
+        forward_s=med(t.forward_s for t in timings), backward_s=med(t.backward_s for t in timings),
+        optimizer_s=med(t.optimizer_s for t in timings), runs=sum(t.runs for t in timings),
+        workers=first.workers)
+
+
+def time_passes(work: Workload, model, runs: int, warmup: int, zero_grad,
+                optimizer=None) -> BackwardTiming:
     """Run ``warmup + runs`` forward/backward/step passes; medians of the last ``runs``.
 
     ``model`` is ``work.model`` or a wrapper of it (DataParallel); hooks go on the
-    underlying parameters and are removed afterwards.
+    underlying parameters and are removed afterwards. Pass ``optimizer`` to reuse
+    one across calls (a fresh one allocates its state on its first step).
     """
     if runs < 1 or warmup < 0:
         raise UsageError(f"runs must be >= 1 and warm-up >= 0, got {runs} and {warmup}")
@@ -102,7 +117,7 @@ def time_passes(work: Workload, model, runs: int, warmup: int, zero_grad) -> Bac
         return hook
 
     handles = [p.register_post_accumulate_grad_hook(make_hook(i)) for i, p in enumerate(params)]
-    opt = work.make_optimizer(params)
+    opt = optimizer if optimizer is not None else work.make_optimizer(params)
     ready_runs, fwd, bwd, step = [], [], [], []
     try:
         for k in range(warmup + runs):
@@ -147,8 +162,13 @@ def measure_single(spec: str, micro_batch: int | None = None, seq_len: int | Non
                        lambda: work.model.zero_grad(set_to_none=False))
 
 
-def worker_measure(spec: str, micro_batch, seq_len, runs: int, warmup: int) -> BackwardTiming:
-    """Inside a spawned worker: DataParallel under no_sync, timed with the same hooks."""
+def worker_measure(spec: str, micro_batch, seq_len, runs: int, warmup: int,
+                   seconds_per_byte: float | None = None):
+    """Inside a spawned worker: DataParallel under no_sync, timed with the same hooks.
+
+    With ``seconds_per_byte`` (this rank's all-reduce cost) also measures the
+    overlap penalties and returns ``(timing, OverlapPenalty)``.
+    """
     import dataclasses
 
     import torch.distributed as dist
@@ -161,7 +181,12 @@ def worker_measure(spec: str, micro_batch, seq_len, runs: int, warmup: int) -> B
     with dp.no_sync():
         timing = time_passes(work, dp, runs, warmup, dp.zero_grad)
     dist.barrier()
-    return dataclasses.replace(timing, workers=dist.get_world_size())
+    timing = dataclasses.replace(timing, workers=dist.get_world_size())
+    if seconds_per_byte is None:
+        return timing
+    from .overlap import measure_overlap_worker
+
+    return timing, measure_overlap_worker(work, dp, timing.backward_s, seconds_per_byte)
 
 
 def measure_under_workers(spec: str, workers: int, micro_batch: int | None = None,

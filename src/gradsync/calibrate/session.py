@@ -23,6 +23,7 @@ from .collectives import (
     summarise,
     time_collectives_worker,
 )
+from .overlap import OverlapPenalty
 from .workload import check_spec
 
 
@@ -33,6 +34,7 @@ class Calibration:
     collectives: CollectiveCalibration
     single: BackwardTiming  # one process alone
     contended: BackwardTiming  # rank 0 of K workers computing at once
+    overlap: OverlapPenalty  # backward and all-reduce sharing the cores
     profile: StepProfile  # what `gradsync simulate --profile` reads
 
     @property
@@ -43,8 +45,16 @@ class Calibration:
 
 def _worker(spec, micro_batch, seq_len, ops, sizes, reps, runs, warmup):
     timings = time_collectives_worker(ops, sizes, reps)
-    backward = worker_measure(spec, micro_batch, seq_len, runs, warmup)
-    return timings, backward
+    backward, overlap = worker_measure(spec, micro_batch, seq_len, runs, warmup,
+                                       seconds_per_byte(timings, sizes))
+    return timings, backward, overlap
+
+
+def seconds_per_byte(timings, sizes) -> float:
+    """This rank's all-reduce seconds per byte at the largest size (sizes the overlap chain)."""
+    import statistics
+
+    return statistics.median(timings["all_reduce"][-1]) / sizes[-1]
 
 
 @contextlib.contextmanager
@@ -83,6 +93,7 @@ def calibrate(spec: str = "gpt", workers: int = 2, micro_batch: int | None = Non
     results = spawn(_worker, workers, spec, micro_batch, seq_len, tuple(ops), tuple(sizes),
                     reps, runs, warmup)
     coll = summarise([r[0] for r in results], sizes, reps)
-    contended = results[0][1]
-    profile = contended.to_profile(coll.alpha_s, coll.beta_s_per_byte, workers)
-    return Calibration(spec, workers, coll, single, contended, profile)
+    contended, overlap = results[0][1], results[0][2]
+    profile = contended.to_profile(coll.alpha_s, coll.beta_s_per_byte, workers,
+                                   overlap.compute, overlap.comm)
+    return Calibration(spec, workers, coll, single, contended, overlap, profile)
