@@ -22,6 +22,8 @@ def test_end_to_end_profile_png_and_simulate(tmp_path, capsys, monkeypatch):
     assert "all_reduce" in text and "R²" in text and "backward" in text
     prof = load_profile(str(out))
     assert prof.world_size == 2 and len(prof.params) == 6
+    assert 0 <= prof.overlap_compute_penalty < 1 and 0 <= prof.overlap_comm_penalty < 1
+    assert prof.alpha_s >= 0 and prof.beta_s_per_byte >= 0
     assert json.loads(out.read_text())["version"] == 1
     assert png.stat().st_size > 1000
     assert main(["simulate", "--profile", str(out)]) == 0

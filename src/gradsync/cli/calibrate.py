@@ -39,6 +39,9 @@ def register(subparsers, help_line: str):
     p.add_argument("--out", default="profile.json", metavar="FILE",
                    help="profile JSON for gradsync simulate --profile (default profile.json)")
     p.add_argument("--png", metavar="FILE", help="measured points and fitted lines")
+    p.add_argument("--free-overlap", action="store_true",
+                   help="write overlap penalties of 0 (overlapped communication costs backward "
+                   "nothing); by default the measured penalties f and g go into the profile")
     p.add_argument("--json", action="store_true", help="print the fits as JSON instead of tables")
     p.set_defaults(run=run)
     return p
@@ -56,7 +59,8 @@ def run(args) -> int:
     from ..calibrate import calibrate
     from ..plan.profile import profile_to_json
 
-    cal = calibrate(args.model, args.workers, args.micro_batch, args.seq_len, quick=args.quick)
+    cal = calibrate(args.model, args.workers, args.micro_batch, args.seq_len, quick=args.quick,
+                    overlap_penalties=not args.free_overlap)
     try:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(profile_to_json(cal.profile))

@@ -47,10 +47,18 @@ def backward_table(cal: Calibration, top: int = 5) -> Table:
 
     row("one process alone", s)
     row(f"{c.workers} workers at once (profile)", c)
-    t.caption = (f"co-running slowdown of backward {cal.corun_slowdown:.2f}x; slowest "
-                 "parameters: " + ", ".join(
-                     f"{p.name} {fmt_time(p.backward_s)}"
-                     for p in sorted(prof.params, key=lambda p: -p.backward_s)[:top]))
+    o = cal.overlap
+    used = prof.overlap_compute_penalty or prof.overlap_comm_penalty
+    where = "in the profile" if used else "reported only (--free-overlap)"
+    t.caption = (
+        f"co-running slowdown of backward {cal.corun_slowdown:.2f}x. Overlap penalties: "
+        f"backward runs at {1 - o.compute:.0%} speed while an all-reduce is in flight "
+        f"(f = {o.compute:.2f}), an all-reduce at {1 - o.comm:.0%} while backward computes "
+        f"(g = {o.comm:.2f}); "
+        f"{where}. Longest gaps between gradients (charged to the first "
+        "parameter of each layer to arrive): " + ", ".join(
+            f"{p.name} {fmt_time(p.backward_s)}"
+            for p in sorted(prof.params, key=lambda p: -p.backward_s)[:top]))
     return t
 
 
