@@ -85,16 +85,17 @@ def _issue(op: str, nbytes: int, world: int):
     import torch
 
     from ..engine import comm
+    from ..engine.replicas import comm_device
 
-    numel = nbytes // ITEMSIZE
+    numel, dev = nbytes // ITEMSIZE, comm_device()
     if op == "all_reduce":
-        buf = torch.ones(numel)
+        buf = torch.ones(numel, device=dev)
         return lambda: comm.all_reduce(buf)
     if op == "reduce_scatter":
-        inp, out = torch.ones(numel), torch.empty(numel // world)
+        inp, out = torch.ones(numel, device=dev), torch.empty(numel // world, device=dev)
         return lambda: comm.reduce_scatter_single(out, inp)
     if op == "all_gather":  # nbytes is the gathered (output) size, as the op's event reports
-        inp, out = torch.ones(numel // world), torch.empty(numel)
+        inp, out = torch.ones(numel // world, device=dev), torch.empty(numel, device=dev)
         return lambda: comm.all_gather_single(out, inp)
     raise UsageError(f"unknown collective {op!r}; choose from {', '.join(OPS)}")
 

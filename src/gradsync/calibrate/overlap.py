@@ -55,11 +55,14 @@ def measure_overlap_worker(work, dp, backward_s: float, seconds_per_byte: float,
     import torch.distributed as dist
 
     from ..engine import comm
+    from ..engine.replicas import comm_device
 
-    size = torch.tensor([chain_bytes(backward_s, seconds_per_byte)], dtype=torch.int64)
+    dev = comm_device()
+    size = torch.tensor([chain_bytes(backward_s, seconds_per_byte)], dtype=torch.int64,
+                        device=dev)
     dist.broadcast(size, 0)  # every rank must issue identical collectives
     nbytes = int(size.item())
-    bufs = [torch.ones(nbytes // 16) for _ in range(4)]
+    bufs = [torch.ones(nbytes // 16, device=dev) for _ in range(4)]
 
     def chain():
         return [comm.all_reduce(b, async_op=True) for b in bufs]

@@ -36,6 +36,7 @@ class Calibration:
     contended: BackwardTiming  # rank 0 of K workers computing at once
     overlap: OverlapPenalty  # backward and all-reduce sharing the cores
     profile: StepProfile  # what `gradsync simulate --profile` reads
+    overlap_in_profile: bool = True  # False: the profile assumes free overlap
 
     @property
     def corun_slowdown(self) -> float:
@@ -103,4 +104,5 @@ def calibrate(spec: str = "gpt", workers: int = 2, micro_batch: int | None = Non
     contended, overlap = results[0][1], results[0][2]
     f, g = (overlap.compute, overlap.comm) if overlap_penalties else (0.0, 0.0)
     profile = contended.to_profile(coll.alpha_s, coll.beta_s_per_byte, workers, f, g)
-    return Calibration(spec, workers, coll, single, contended, overlap, profile)
+    return Calibration(spec, workers, coll, single, contended, overlap, profile,
+                       overlap_penalties)

@@ -48,8 +48,7 @@ def backward_table(cal: Calibration, top: int = 5) -> Table:
     row("one process alone", s)
     row(f"{c.workers} workers at once (profile)", c)
     o = cal.overlap
-    used = prof.overlap_compute_penalty or prof.overlap_comm_penalty
-    where = "in the profile" if used else "reported only (--free-overlap)"
+    where = "in the profile" if cal.overlap_in_profile else "not in the profile (--free-overlap)"
     t.caption = (
         f"co-running slowdown of backward {cal.corun_slowdown:.2f}x. Overlap penalties: "
         f"backward runs at {1 - o.compute:.0%} speed while an all-reduce is in flight "
