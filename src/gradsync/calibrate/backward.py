@@ -163,7 +163,7 @@ def measure_single(spec: str, micro_batch: int | None = None, seq_len: int | Non
 
 
 def worker_measure(spec: str, micro_batch, seq_len, runs: int, warmup: int,
-                   seconds_per_byte: float | None = None):
+                   seconds_per_byte: float | None = None, overlap_reps: int = 3):
     """Inside a spawned worker: DataParallel under no_sync, timed with the same hooks.
 
     With ``seconds_per_byte`` (this rank's all-reduce cost) also measures the
@@ -186,7 +186,8 @@ def worker_measure(spec: str, micro_batch, seq_len, runs: int, warmup: int,
         return timing
     from .overlap import measure_overlap_worker
 
-    return timing, measure_overlap_worker(work, dp, timing.backward_s, seconds_per_byte)
+    return timing, measure_overlap_worker(work, dp, timing.backward_s, seconds_per_byte,
+                                          overlap_reps)
 
 
 def measure_under_workers(spec: str, workers: int, micro_batch: int | None = None,

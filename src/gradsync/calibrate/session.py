@@ -47,7 +47,7 @@ class Calibration:
 def _worker(spec, micro_batch, seq_len, ops, sizes, reps, runs, warmup):
     timings = time_collectives_worker(ops, sizes, reps)
     backward, overlap = worker_measure(spec, micro_batch, seq_len, runs, warmup,
-                                       seconds_per_byte(timings, sizes))
+                                       seconds_per_byte(timings, sizes), max(2, runs // 2 + 1))
     return timings, backward, overlap
 
 
