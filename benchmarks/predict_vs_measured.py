@@ -4,13 +4,14 @@
         [--buckets 0.25 1 4 16 64] [--rounds 30] [--json]
 
 For each model, K workers are started once. Each first times all-reduce over
-4 KB..64 MB (alpha and beta), then runs rounds; a round calibrates the model's
-backward (DataParallel under no_sync, all K computing at once, exactly what
-``gradsync calibrate`` measures) and then times ``--steps`` real synchronised
-DataParallel steps at every bucket size, visiting the sizes in alternating
-directions so machine noise (2 shared cores) hits calibration and every size alike.
-The prediction for a size is the median over rounds of ``simulate_step`` on that
-round's profile; the measurement is the median over all its timed steps. Prints
+4 KB..64 MB (alpha and beta), then runs rounds; a round is one calibration pass
+(DataParallel under no_sync, all K computing at once, as ``gradsync calibrate``
+measures; every second round also the overlap penalties) and then one real
+synchronised DataParallel step at every bucket size, visiting the sizes in
+alternating directions so machine noise (2 shared cores) hits calibration and
+every size alike.
+The prediction for a size is ``simulate_step`` on the profile built from the
+rounds' medians; the measurement is the median over all its timed steps. Prints
 bucket MB, predicted ms, measured ms and error %, and the median absolute error
 (target: at most 15%, issue 4 item 5); also a paired error (median over rounds of
 each round's prediction over that round's step, which cancels slow drift in the

@@ -14,6 +14,7 @@ from .collectives import (
     log_sizes,
     time_collectives,
 )
+from .overlap import OverlapPenalty, measure_overlap_worker
 from .session import Calibration, calibrate
 from .workload import Workload, build_workload
 
@@ -23,12 +24,14 @@ __all__ = [
     "Calibration",
     "CollectiveCalibration",
     "OpTiming",
+    "OverlapPenalty",
     "Workload",
     "build_workload",
     "calibrate",
     "default_sizes",
     "log_sizes",
     "measure_single",
+    "measure_overlap_worker",
     "measure_under_workers",
     "time_collectives",
     "time_passes",

@@ -1,9 +1,10 @@
 """One calibration: the link's alpha and beta and the model's backward, in one launch.
 
 ``calibrate()`` times the model alone in this process first (compute without
-interference), then starts K workers once: they time the collectives and then
+interference), then starts K workers once: they time the collectives, then
 the model's backward inside DataParallel under ``no_sync`` (all K computing at
-once, as in a training step). The profile it returns uses the K-worker timing,
+once, as in a training step), then how much an in-flight all-reduce and
+backward slow each other (overlap.py). The profile it returns uses the K-worker timing,
 because that is the compute a K-worker step gets when the workers share the
 machine's cores; the ratio of the two is reported as the co-running slowdown.
 """
