@@ -8,8 +8,10 @@ uniform model with guessed link numbers.
 from __future__ import annotations
 
 import argparse
+import re
+import sys
 
-from ..errors import UsageError
+from ..errors import UsageError, WorkerFailedError
 
 EPILOG = """\
 examples:
@@ -59,8 +61,16 @@ def run(args) -> int:
     from ..calibrate import calibrate
     from ..plan.profile import profile_to_json
 
-    cal = calibrate(args.model, args.workers, args.micro_batch, args.seq_len, quick=args.quick,
-                    overlap_penalties=not args.free_overlap)
+    try:
+        cal = calibrate(args.model, args.workers, args.micro_batch, args.seq_len,
+                        quick=args.quick, overlap_penalties=not args.free_overlap)
+    except WorkerFailedError as e:  # as `gradsync train`: a worker's bad input is exit 2
+        first = str(e).splitlines()[0]
+        m = re.match(r"worker rank \d+ failed: UsageError: (.*)", first)
+        if m:
+            raise UsageError(m.group(1)) from None
+        print(f"gradsync calibrate: error: {e}", file=sys.stderr)
+        return 1
     try:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(profile_to_json(cal.profile))
