@@ -47,3 +47,13 @@ def test_sizes_and_arguments():
         time_collectives(1)
     with pytest.raises(UsageError):
         time_collectives(2, ops=("all_gather",))
+
+
+def test_overlap_chain_outlasts_backward_and_is_capped():
+    from gradsync.calibrate.overlap import chain_bytes
+
+    n = chain_bytes(0.1, 1e-9)  # 100 ms backward at 1 GB/s: about 300 MB wanted, capped
+    assert n == 256 << 20
+    small = chain_bytes(0.01, 1e-9)  # 10 ms: about 30 MB, 3x the backward
+    assert 0.029 <= small * 1e-9 <= 0.031 and small % 1024 == 0
+    assert chain_bytes(0.0, 1e-9) == 1 << 20  # never below 1 MB
