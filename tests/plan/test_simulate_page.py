@@ -125,15 +125,21 @@ def test_page_in_headless_chromium(tmp_path):
 
 
 @needs_chromium
-def test_profile_page_non_uniform_in_chromium(tmp_path):
-    """A measured (non-uniform, mixed-dtype) profile: no layer slider, same agreement."""
+@pytest.mark.parametrize("penalties", [(0.0, 0.0), (0.4, 0.5)])
+def test_profile_page_non_uniform_in_chromium(tmp_path, penalties):
+    """A measured (non-uniform, mixed-dtype) profile: no layer slider, same agreement.
+
+    With overlap penalties (gradsync calibrate's default) the JavaScript runs the
+    contended schedule of plan/contention.py and must still agree with Python.
+    """
     base = synthetic_profile(layers=6, params_per_layer=300_000, tensors_per_layer=3)
     params = tuple(
         ParamProfile(p.name, p.numel * (1 + k % 4), 2 if k % 5 == 0 else 4,
                      p.backward_s * (0.5 + k % 3), "bfloat16" if k % 5 == 0 else "float32")
         for k, p in enumerate(base.params)
     )
-    prof = base.with_(params=params, optimizer_s=3e-3)
+    prof = base.with_(params=params, optimizer_s=3e-3, overlap_compute_penalty=penalties[0],
+                      overlap_comm_penalty=penalties[1])
     res = simulate_step(prof, 2.0, 0.5)
     page = render_simulate_page(prof, res, sweep_bucket_sizes(prof, first_bucket_mb=0.5))
     out = run_in_chromium(page, [["s-bucket", 5]], tmp_path)

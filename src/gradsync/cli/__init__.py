@@ -20,20 +20,9 @@ COMMANDS: list[tuple[str, str]] = [
     ("verify", "check exactness against one process, or audit the sampler"),
     ("plan", "plan before launching: memory, batch recipe, communication cost"),
     ("simulate", "simulate one step's backward/all-reduce overlap and sweep bucket sizes"),
+    ("calibrate", "measure this machine's alpha/beta and the model's backward; write a profile"),
     ("report", "write a run's report.html (loss, throughput, step timeline, memory, drift)"),
 ]
-
-
-def _load(name: str):
-    """Import a subcommand module; a listed command whose module is not written yet
-    (branches developed in parallel) is skipped instead of breaking every command."""
-    full = f"{__name__}.{name.replace('-', '_')}"
-    try:
-        return importlib.import_module(full)
-    except ModuleNotFoundError as e:
-        if e.name == full:
-            return None
-        raise
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,9 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, help_line in COMMANDS:
-        module = _load(name)
-        if module is not None:
-            module.register(sub, help_line)
+        module = importlib.import_module(f"{__name__}.{name.replace('-', '_')}")
+        module.register(sub, help_line)
     return parser
 
 

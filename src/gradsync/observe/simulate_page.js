@@ -53,6 +53,37 @@ function allreduceCost(nbytes, n, alpha, beta) {
   return alpha + 2.0 * (n - 1) / n * nbytes * beta;
 }
 
+// plan/contention.py's contended_schedule: backward and all-reduce share the cores.
+function contendedSchedule(work, startS, bucketParams, bucketCost, f, g) {
+  const n = work.length, ready = new Array(n).fill(NaN), grads = [];
+  const pending = bucketParams.map((ps) => ps.length), owner = new Map();
+  bucketParams.forEach((ps, k) => { for (const i of ps) owner.set(i, k); });
+  const spans = new Array(bucketParams.length);
+  let t = startS, ci = 0, cStart = startS, crem = n ? work[n - 1] : 0.0;
+  let cur = null, mrem = 0.0, mStart = 0.0, nb = 0;
+  while (ci < n || cur !== null || nb < bucketParams.length) {
+    if (cur === null && nb < bucketParams.length && pending[nb] === 0) {
+      cur = nb; mrem = bucketCost[nb]; mStart = t; nb += 1; continue;
+    }
+    const computing = ci < n, comm = cur !== null;
+    if (!computing && !comm) throw new Error("a bucket never became ready");
+    const rc = comm ? (1.0 - f) : 1.0, rm = computing ? (1.0 - g) : 1.0;
+    const dtC = computing ? crem / rc : Infinity, dtM = comm ? mrem / rm : Infinity;
+    const dt = Math.min(dtC, dtM);
+    t += dt;
+    if (computing) crem -= dt * rc;
+    if (comm) mrem -= dt * rm;
+    if (computing && dtC <= dtM) {
+      const i = n - 1 - ci;
+      grads.push([cStart, t]); ready[i] = t;
+      if (owner.has(i)) pending[owner.get(i)] -= 1;
+      ci += 1; cStart = t; crem = ci < n ? work[n - 1 - ci] : 0.0;
+    }
+    if (comm && dtM <= dtC) { spans[cur] = [mStart, t]; cur = null; }
+  }
+  return { grads: grads, ready: ready, spans: spans };
+}
+
 function simulateStep(profile, bucketMb, firstMb, accum) {
   const params = profile.params;
   const buckets = planBuckets(params, mbToBytes(bucketMb), mbToBytes(firstMb));
@@ -60,6 +91,21 @@ function simulateStep(profile, bucketMb, firstMb, accum) {
   for (const p of params) bwdTotal += p.backward_s;
   const micro = profile.forward_s + bwdTotal;
   let t = (accum - 1) * micro + profile.forward_s;
+  const f = profile.overlap_compute_penalty || 0.0, g = profile.overlap_comm_penalty || 0.0;
+  if ((f || g) && profile.world_size > 1) {
+    const costs = buckets.map((b) => allreduceCost(b.nbytes, profile.world_size, profile.alpha_s, profile.beta_s_per_byte));
+    const sch = contendedSchedule(params.map((p) => p.backward_s), t, buckets.map((b) => b.params), costs, f, g);
+    const bwdEnd = sch.grads.length ? sch.grads[sch.grads.length - 1][1] : t;
+    const lane = sch.spans.length ? sch.spans[sch.spans.length - 1][1] : t;
+    let comm = 0.0;
+    for (const [s0, e0] of sch.spans) comm += e0 - s0;
+    const step = Math.max(bwdEnd, lane) + profile.optimizer_s;
+    const compute = accum * micro + profile.optimizer_s;
+    return { step_s: step, backward_s: accum * bwdTotal, comm_s: comm, exposed_s: step - compute,
+             efficiency: step > 0 ? compute / step : 1.0, bwdStart: t, bwdEnd: bwdEnd,
+             forward_s: profile.forward_s, optimizer_s: profile.optimizer_s, grads: sch.grads,
+             buckets: sch.spans };
+  }
   const bwdStart = t, ready = new Array(params.length), grads = [];
   for (let i = params.length - 1; i >= 0; i--) {
     const end = t + params[i].backward_s;
@@ -92,7 +138,9 @@ function currentProfile() {
   if (DATA.synthetic) return syntheticProfile(DATA.synthetic, state.layers, state.alpha_s, state.bandwidth);
   const p = DATA.profile;
   return { forward_s: p.forward_s, params: p.params, optimizer_s: p.optimizer_s, alpha_s: state.alpha_s,
-           beta_s_per_byte: 1.0 / state.bandwidth, world_size: p.world_size };
+           beta_s_per_byte: 1.0 / state.bandwidth, world_size: p.world_size,
+           overlap_compute_penalty: p.overlap_compute_penalty || 0.0,
+           overlap_comm_penalty: p.overlap_comm_penalty || 0.0 };
 }
 
 function fmtTime(s) {

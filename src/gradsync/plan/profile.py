@@ -47,10 +47,18 @@ class StepProfile:
     alpha_s: float
     beta_s_per_byte: float
     world_size: int
+    # Measured by `gradsync calibrate` where workers share cores with gloo (see
+    # plan/contention.py); 0 = overlap is free, the model before calibration existed.
+    overlap_compute_penalty: float = 0.0  # backward rate is 1 - this while comm is in flight
+    overlap_comm_penalty: float = 0.0  # all-reduce rate is 1 - this while backward computes
 
     def __post_init__(self) -> None:
         if not self.params:
             raise UsageError("profile has no parameters")
+        for name in ("overlap_compute_penalty", "overlap_comm_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 <= v < 1):
+                raise UsageError(f"profile {name} must be a number in [0, 1), got {v!r}")
         for name in ("forward_s", "optimizer_s", "alpha_s", "beta_s_per_byte"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
@@ -131,6 +139,7 @@ def profile_from_dict(d: dict) -> StepProfile:
         return StepProfile(
             float(d["forward_s"]), params, float(d.get("optimizer_s", 0.0)),
             float(d["alpha_s"]), float(d["beta_s_per_byte"]), int(d["world_size"]),
+            float(d.get("overlap_compute_penalty", 0.0)), float(d.get("overlap_comm_penalty", 0.0)),
         )
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, UsageError):

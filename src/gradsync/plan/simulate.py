@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from ..engine.bucketing import mb_to_bytes, plan_buckets
 from ..errors import UsageError
+from .contention import contended_schedule
 from .profile import StepProfile
 
 DEFAULT_BUCKET_MB = 25.0
@@ -101,6 +102,10 @@ def simulate_step(
     micro = profile.forward_s + profile.backward_s
     t = (accum_steps - 1) * micro + profile.forward_s  # start of the last backward
     bwd_start = t
+    f, g = profile.overlap_compute_penalty, profile.overlap_comm_penalty
+    if (f or g) and profile.world_size > 1:
+        return _contended(profile, buckets, bucket_cap_mb, first_bucket_mb, accum_steps,
+                          micro, bwd_start)
     ready = [0.0] * len(params)
     grads = []
     for i in range(len(params) - 1, -1, -1):  # reverse registration order
@@ -119,6 +124,12 @@ def simulate_step(
         comm += dur
         events.append(BucketEvent(b.index, b.nbytes, len(b.params), r, start, lane))
 
+    return _result(profile, bucket_cap_mb, first_bucket_mb, accum_steps, micro, bwd_start,
+                   bwd_end, lane, comm, events, grads)
+
+
+def _result(profile, bucket_cap_mb, first_bucket_mb, accum_steps, micro, bwd_start, bwd_end,
+            lane, comm, events, grads) -> StepResult:
     step = max(bwd_end, lane) + profile.optimizer_s
     compute = accum_steps * micro + profile.optimizer_s
     return StepResult(
@@ -138,6 +149,24 @@ def simulate_step(
         buckets=tuple(events),
         grads=tuple(grads),
     )
+
+
+def _contended(profile, buckets, bucket_cap_mb, first_bucket_mb, accum_steps, micro, bwd_start):
+    """The last backward with overlap penalties (plan/contention.py): cores are shared."""
+    params = profile.params
+    costs = [allreduce_cost(b.nbytes, profile.world_size, profile.alpha_s,
+                            profile.beta_s_per_byte) for b in buckets]
+    spans, ready, bspans = contended_schedule(
+        [p.backward_s for p in params], bwd_start, [b.params for b in buckets], costs,
+        profile.overlap_compute_penalty, profile.overlap_comm_penalty)
+    grads = [GradEvent(params[i].name, s, e) for i, s, e in spans]
+    bwd_end = spans[-1][2] if spans else bwd_start
+    events = [BucketEvent(b.index, b.nbytes, len(b.params), max(ready[i] for i in b.params),
+                          s, e) for b, (s, e) in zip(buckets, bspans)]
+    lane = events[-1].end_s if events else bwd_start
+    comm = sum(e.end_s - e.start_s for e in events)
+    return _result(profile, bucket_cap_mb, first_bucket_mb, accum_steps, micro, bwd_start,
+                   bwd_end, lane, comm, events, grads)
 
 
 def sweep_sizes_mb(lo: float = 1.0, hi: float = 2048.0, points: int = 49) -> list[float]:
