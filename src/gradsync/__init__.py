@@ -1,15 +1,14 @@
 """gradsync: exact, overlapped data-parallel training for PyTorch.
 
-The public API is re-exported here; nothing else lives in this file.
+The public API, re-exported here and nothing else. Names resolve on first use
+(PEP 562), so ``import gradsync.plan`` and ``gradsync plan ...`` stay free of
+torch: the planner is pure arithmetic and starts instantly.
 """
 
-from .dist import init, is_main, rank, shutdown, world_size
-from .engine.clip import clip_grad_norm_
-from .engine.data_parallel import DataParallel
-from .engine.fsdp import FullyShardedDataParallel
-from .engine.mixed_dp import MixedPrecisionOptimizer
-from .engine.precision import MixedPrecision
-from .engine.zero import ZeroOptimizer
+from __future__ import annotations
+
+import importlib
+
 from .errors import (
     GradsyncError,
     ReplicaMismatchError,
@@ -17,27 +16,50 @@ from .errors import (
     UsageError,
     WorkerFailedError,
 )
-from .launch import spawn
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "DataParallel": "gradsync.engine.data_parallel",
+    "DistributedSampler": "gradsync.data.sampler",
+    "SamplerAudit": "gradsync.data.audit",
+    "audit_indices": "gradsync.data.audit",
+    "audit_sampler": "gradsync.data.audit",
+    "init": "gradsync.dist",
+    "is_main": "gradsync.dist",
+    "rank": "gradsync.dist",
+    "shutdown": "gradsync.dist",
+    "world_size": "gradsync.dist",
+    "spawn": "gradsync.launch",
+    "check_replicas": "gradsync.engine.drift",
+    "Tracer": "gradsync.engine.tracing",
+    "write_report": "gradsync.observe.report",
+    "ZeroOptimizer": "gradsync.engine.zero",
+    "FullyShardedDataParallel": "gradsync.engine.fsdp",
+    "MixedPrecision": "gradsync.engine.precision",
+    "MixedPrecisionOptimizer": "gradsync.engine.mixed_dp",
+    "clip_grad_norm_": "gradsync.engine.clip",
+}
+
 __all__ = [
-    "DataParallel",
-    "FullyShardedDataParallel",
-    "MixedPrecision",
-    "MixedPrecisionOptimizer",
-    "ZeroOptimizer",
-    "clip_grad_norm_",
     "GradsyncError",
     "ReplicaMismatchError",
     "UnusedParametersError",
     "UsageError",
     "WorkerFailedError",
     "__version__",
-    "init",
-    "is_main",
-    "rank",
-    "shutdown",
-    "spawn",
-    "world_size",
+    *_LAZY,
 ]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(__all__)

@@ -90,7 +90,8 @@ def test_ctrl_c_keeps_last_checkpoint_and_leaves_no_temporary_files(tmp_path):
     (["--workers", "2", "--data", "random-tokens", "--seq-len", "1500000"], "at least one"),
     (["--model", "mlp", "--data", "pysrc"], "does not fit"),
     (["--steps", "0"], "--steps must be"),
-])
+    (["--bucket-mb", "-3"], "--bucket-mb must be"),
+] + ([] if torch.cuda.is_available() else [(["--backend", "nccl"], "needs CUDA")]))
 def test_bad_arguments_exit_2_with_one_line(args, expect, tmp_path):
     r = run_cli("train", *args, "--out", str(tmp_path / "x"))
     assert r.returncode == 2, r.stderr

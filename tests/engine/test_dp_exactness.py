@@ -6,7 +6,9 @@ bitwise identical (seed 000's "max drift across reps: 0").
 
 import pytest
 import torch
-from helpers import (
+
+import gradsync as gs
+from tests.helpers import (
     dataset,
     dp_train,
     even_schedule,
@@ -14,8 +16,6 @@ from helpers import (
     mlp,
     reference_train,
 )
-
-import gradsync as gs
 
 STEPS = 20
 

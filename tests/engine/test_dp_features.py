@@ -2,12 +2,21 @@
 
 import pytest
 import torch
-from helpers import D_IN, D_OUT, dataset, dp_train, even_schedule, max_gap, mse, reference_train
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import gradsync as gs
 from gradsync.engine import comm
+from tests.helpers import (
+    D_IN,
+    D_OUT,
+    dataset,
+    dp_train,
+    even_schedule,
+    max_gap,
+    mse,
+    reference_train,
+)
 
 
 class Tied(nn.Module):
@@ -255,3 +264,33 @@ def test_bad_num_items_rejected(bad):
 
     with pytest.raises(gs.UsageError, match="num_items"):
         _as_count(bad)
+
+
+def _overlap_and_views():
+    x, y = dataset()
+    dp = gs.DataParallel(Shuffled(), bucket_cap_mb=0.001, first_bucket_mb=0.0005)
+    dp.backward(mse(dp(x[:8]), y[:8]), num_items=8)  # first step: rebuild in ready order
+    timeline = []
+    last = dp.module.inp.weight  # input layer: its gradient is the last to arrive
+    last.register_post_accumulate_grad_hook(lambda p: timeline.append("input layer ready"))
+
+    def record(kind, ev):
+        if kind == "launch" and ev.tag.startswith("bucket"):
+            timeline.append(ev.tag)
+
+    with comm.add_observer(record):
+        dp.backward(mse(dp(x[8:16]), y[8:16]), num_items=8)
+    buffers = [b.buffer for b in dp._buckets]
+    views = all(
+        any(p.grad.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+            for buf in buffers)
+        for p in dp.parameters() if p.requires_grad)
+    return timeline, views
+
+
+def test_buckets_launch_during_backward_and_grads_are_bucket_views():
+    timeline, views = gs.spawn(_overlap_and_views, 2)[0]
+    assert views, "param.grad must be a view into a bucket buffer"
+    ready = timeline.index("input layer ready")
+    launched_before = [t for t in timeline[:ready] if t.startswith("bucket")]
+    assert len(launched_before) >= 2, timeline  # communication started mid-backward

@@ -2,7 +2,12 @@
 
 import pytest
 import torch
-from helpers import (
+from torch import nn
+
+import gradsync as gs
+from gradsync.engine import comm
+from tests.engine.test_zero import Tied, Tiny
+from tests.helpers import (
     D_IN,
     D_OUT,
     dataset,
@@ -15,11 +20,6 @@ from helpers import (
     sharded_train,
     uneven_schedule,
 )
-from test_zero import Tied, Tiny
-from torch import nn
-
-import gradsync as gs
-from gradsync.engine import comm
 
 STEPS = 20
 TOL = {"sgd": 1e-12, "adamw": 1e-9}

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from helpers import dataset, even_schedule, max_gap, mse, reference_train, sharded_train
-from test_fsdp import Block, Net
 
 import gradsync as gs
 from gradsync.engine.strategy import build_strategy, default_wrap, memory_report
+from tests.engine.test_fsdp import Block, Net
+from tests.helpers import dataset, even_schedule, max_gap, mse, reference_train, sharded_train
 
 
 def _run(strategy):

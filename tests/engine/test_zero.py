@@ -9,7 +9,11 @@ import copy
 
 import pytest
 import torch
-from helpers import (
+from torch import nn
+
+import gradsync as gs
+from gradsync.engine import comm
+from tests.helpers import (
     D_IN,
     D_OUT,
     dataset,
@@ -23,10 +27,6 @@ from helpers import (
     sharded_train,
     uneven_schedule,
 )
-from torch import nn
-
-import gradsync as gs
-from gradsync.engine import comm
 
 STEPS = 20
 TOL = {"sgd": 1e-12, "adamw": 1e-9}

@@ -5,11 +5,11 @@ import shutil
 
 import torch
 import torch.distributed as dist
-from helpers import dataset, max_gap, reference_train, sharded_train
-from test_fsdp import Block, Net
 
 import gradsync as gs
 from gradsync.engine.zero_checkpoint import CheckpointError, load_sharded, save_sharded
+from tests.engine.test_fsdp import Block, Net
+from tests.helpers import dataset, max_gap, reference_train, sharded_train
 
 PER_STEP = 12
 SHARD = "shard-00001-of-00002.pt"

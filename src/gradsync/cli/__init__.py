@@ -18,6 +18,10 @@ from ..errors import UsageError
 COMMANDS: list[tuple[str, str]] = [
     ("train", "train a model data-parallel on K workers (the main job)"),
     ("verify", "check exactness against one process, or audit the sampler"),
+    ("plan", "plan before launching: memory, batch recipe, communication cost"),
+    ("simulate", "simulate one step's backward/all-reduce overlap and sweep bucket sizes"),
+    ("calibrate", "measure this machine's alpha/beta and the model's backward; write a profile"),
+    ("report", "write a run's report.html (loss, throughput, step timeline, memory, drift)"),
 ]
 
 

@@ -75,6 +75,41 @@ def preflight(cfg) -> None:
         _check_port_free(cfg.port)
 
 
+def baseline_config(cfg):
+    """One worker, the same micro-batch and accumulation: the per-worker work of the real run.
+
+    Scaling efficiency is throughput with K workers over K times this; only the
+    global batch shrinks (micro-batch x accumulation), so per-worker compute per
+    step is identical and the difference is communication and waiting.
+    """
+    from dataclasses import replace
+
+    accum = cfg.accumulation(cfg.workers)
+    return replace(cfg, workers=1, global_batch=cfg.micro_batch * accum,
+                   steps=cfg.baseline_steps, warmup=min(cfg.warmup, cfg.baseline_steps),
+                   out=os.path.join(cfg.out, "baseline"), trace=False, trace_steps="",
+                   drift_every=0, baseline=False, no_report=True, checkpoint_every=0,
+                   resume=False, port=0)
+
+
+def _run_baseline(cfg) -> None:
+    from ..launch import launch
+    from ..train.loop import run_worker
+
+    bcfg = baseline_config(cfg)
+    if os.path.exists(os.path.join(bcfg.out, "summary.json")):
+        print(f"gradsync train: reusing the baseline in {bcfg.out}", flush=True)
+        return
+    if os.path.exists(bcfg.out):
+        import shutil
+
+        shutil.rmtree(bcfg.out)  # an unfinished baseline: start it again
+    print(f"gradsync train: 1-worker baseline, {bcfg.steps} steps, micro-batch "
+          f"{bcfg.micro_batch} x accumulation {bcfg.global_batch // bcfg.micro_batch}",
+          flush=True)
+    launch(run_worker, 1, (bcfg.to_dict(),), backend=cfg.backend, timeout_s=cfg.timeout)
+
+
 def run(args) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
 
@@ -91,6 +126,8 @@ def run(args) -> int:
         flush=True,
     )
     try:
+        if cfg.baseline:
+            _run_baseline(cfg)
         launch(
             run_worker,
             cfg.workers,
@@ -105,6 +142,10 @@ def run(args) -> int:
         if m:
             raise UsageError(m.group(1)) from None
         print(f"gradsync train: error: {e}", file=sys.stderr)
+        if not cfg.no_report and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):
+            from ..train.instrument import write_report_safely
+
+            write_report_safely(cfg.out)  # a failed run is when the report is most needed
         return 1
     except (SignalException, KeyboardInterrupt):
         ckpt = os.path.join(cfg.out, CHECKPOINT)

@@ -18,7 +18,14 @@ import torch.distributed as dist
 
 @dataclass
 class CollectiveEvent:
-    """A collective as observers see it. ``end`` is set when its wait returns."""
+    """A collective as observers see it.
+
+    ``start``: launch; ``end``: when its wait returned; ``finished``: when the
+    backend completed it (set from the work's future, so for an async all-reduce
+    overlapped with backward it is the true end of communication, usually well
+    before anyone waits); ``waited_s``: how long the caller was blocked on it (the
+    whole duration for a synchronous call) -- the *exposed* part of its cost.
+    """
 
     op: str
     nbytes: int
@@ -27,6 +34,7 @@ class CollectiveEvent:
     end: float | None = None
     waited_s: float = 0.0
     meta: dict = field(default_factory=dict)
+    finished: float | None = None
 
 
 Observer = Callable[[str, CollectiveEvent], None]
@@ -60,12 +68,13 @@ def add_observer(fn: Observer) -> ObserverHandle:
 class Pending:
     """An in-flight collective; ``wait()`` blocks until it is complete."""
 
-    __slots__ = ("_work", "event", "_done")
+    __slots__ = ("_work", "event", "_done", "_blocked_since")
 
-    def __init__(self, work, event: CollectiveEvent | None):
+    def __init__(self, work, event: CollectiveEvent | None, blocked_since: float | None = None):
         self._work = work
         self.event = event
         self._done = False
+        self._blocked_since = blocked_since
 
     def done(self) -> bool:
         """True once the collective has completed (never blocks)."""
@@ -74,13 +83,18 @@ class Pending:
     def wait(self) -> None:
         if self._done:
             return
-        t0 = time.perf_counter() if self.event is not None else 0.0
+        if self.event is None:
+            t0 = 0.0
+        else:
+            t0 = self._blocked_since or time.perf_counter()
         if self._work is not None:
             self._work.wait()
         self._done = True
         if self.event is not None:
             now = time.perf_counter()
             self.event.end = now
+            if self.event.finished is None:  # no future callback (yet): wait is the bound
+                self.event.finished = now
             self.event.waited_s = now - t0
             for fn in list(_observers):
                 fn("complete", self.event)
@@ -96,13 +110,26 @@ def _launch(op: str, tensor: torch.Tensor, tag: str, meta: dict | None) -> Colle
     return ev
 
 
+def _stamp_finished(ev: CollectiveEvent):
+    def done(_fut) -> None:  # runs on the backend's thread: only set a float
+        ev.finished = time.perf_counter()
+
+    return done
+
+
 def _run(op: str, tensor: torch.Tensor, issue, async_op: bool, tag: str, meta: dict | None):
     ev = _launch(op, tensor, tag, meta)
     work = issue(async_op)
-    pending = Pending(work if async_op else None, ev)
     if not async_op:
+        pending = Pending(None, ev, ev.start if ev is not None else None)
         pending.wait()
-    return pending
+        return pending
+    if ev is not None and work is not None:
+        try:
+            work.get_future().then(_stamp_finished(ev))
+        except (AttributeError, RuntimeError):  # a backend without futures: end = wait
+            pass
+    return Pending(work, ev)
 
 
 def all_reduce(tensor, group=None, op=dist.ReduceOp.SUM, async_op=False, tag="", meta=None):

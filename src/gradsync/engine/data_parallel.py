@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..errors import UnusedParametersError, UsageError
-from . import comm
+from . import comm, tracing
+from .autotune import AutotuneResult, BucketAutotuner
 from .bucketing import BucketSpec, ParamSpec, mb_to_bytes, plan_buckets
 from .buckets import Bucket
 from .replicas import broadcast_module_state, broadcast_tensors, comm_device, verify_same_structure
@@ -71,7 +73,9 @@ class DataParallel(nn.Module):
         module: the model; identical structure on every rank (checked), rank 0's
             values are broadcast to all ranks at construction.
         group: process group; ``None`` means the default (world) group.
-        bucket_cap_mb: cap of a gradient bucket in MiB (DDP's default, 25).
+        bucket_cap_mb: cap of a gradient bucket in MiB (DDP's default, 25), or
+            ``"auto"``: measure candidate caps during the first synchronised steps
+            and keep the fastest (see ``engine/autotune.py``; ``autotune_result``).
         first_bucket_mb: cap of the first bucket, small so communication starts early.
         find_unused_parameters: ``False``: a parameter with no gradient in a
             synchronised backward is an error naming it. ``True``: it counts as a
@@ -83,7 +87,7 @@ class DataParallel(nn.Module):
     carry no ``module.`` prefix.
     """
 
-    def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float = 25,
+    def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float | str = 25,
                  first_bucket_mb: float = 1, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True):
         super().__init__()
@@ -96,7 +100,15 @@ class DataParallel(nn.Module):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.bucket_cap_bytes = mb_to_bytes(bucket_cap_mb)
+        self._autotuner: BucketAutotuner | None = None
+        if isinstance(bucket_cap_mb, str):
+            if bucket_cap_mb != "auto":
+                raise UsageError("bucket_cap_mb must be a size in MiB or 'auto', "
+                                 f"got {bucket_cap_mb!r}")
+        elif not bucket_cap_mb > 0:
+            raise UsageError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        if not first_bucket_mb > 0:
+            raise UsageError(f"first_bucket_mb must be > 0, got {first_bucket_mb!r}")
         self.first_bucket_bytes = mb_to_bytes(first_bucket_mb)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -120,6 +132,10 @@ class DataParallel(nn.Module):
                              f"{sorted(map(str, devices))}")
         self._specs = [ParamSpec(n, p.numel(), p.element_size(), str(p.dtype).replace("torch.", ""))
                        for n, p in zip(self._names, self._params)]
+        if bucket_cap_mb == "auto":
+            self._autotuner = BucketAutotuner(sum(s.nbytes for s in self._specs))
+            bucket_cap_mb = self._autotuner.current_mb
+        self.bucket_cap_bytes = mb_to_bytes(bucket_cap_mb)
         self._buffers_to_sync = [b for b in module.buffers() if b.numel()]
 
         self._require_sync = True
@@ -134,9 +150,12 @@ class DataParallel(nn.Module):
         self._next_bucket = 0
         self._meta: comm.Pending | None = None
         self._order_log: list[int] | None = None
+        self._ready_order: list[int] | None = None
         self._rebuilt = False
+        self._pass_t0 = 0.0
         self._hooks: list = []
         self._reduction = None  # None: all-reduce every bucket (see set_reduction)
+        self._trace_t0: float | None = None
 
         self._install_buckets(
             plan_buckets(self._specs, self.bucket_cap_bytes, self.first_bucket_bytes))
@@ -171,6 +190,9 @@ class DataParallel(nn.Module):
         if self._reduction is not None:
             raise UsageError("this DataParallel already has a reduction strategy "
                              "(is it wrapped by two ZeroOptimizers?)")
+        if self._autotuner is not None and not self._autotuner.done:
+            raise UsageError("sharded optimizer state needs a fixed bucket layout: give "
+                             "DataParallel a number for bucket_cap_mb, not 'auto'")
         self._reduction = reduction
         self._rebuilt = True
         self._order_log = None
@@ -196,6 +218,8 @@ class DataParallel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
+        tracer = tracing.ACTIVE
+        t0 = tracing.now() if tracer is not None else 0.0
         grad_on = torch.is_grad_enabled()
         if grad_on:
             if not self._in_backward:
@@ -211,6 +235,8 @@ class DataParallel(nn.Module):
             for t in _tensors_in(out):
                 if t.requires_grad:
                     t.register_hook(self._output_grad_hook)
+        if tracer is not None:
+            tracer.record("forward", "compute", t0, tracing.now(), sync=self._require_sync)
         return out
 
     def _output_grad_hook(self, grad):
@@ -271,6 +297,7 @@ class DataParallel(nn.Module):
         self._in_backward = True
         if self._reduction is not None:
             self._reduction.prepare()
+        self._trace_t0 = tracing.now() if tracing.ACTIVE is not None else None
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if not self._pass_accounted:
             self._win_plain_passes += 1
@@ -281,6 +308,7 @@ class DataParallel(nn.Module):
             return
         self._ready = [False] * len(self._params)
         self._next_bucket = 0
+        self._pass_t0 = time.perf_counter()
         header = torch.tensor([self._win_items, self._win_item_passes, self._win_plain_passes],
                               dtype=torch.float64, device=self._comm_device)
         self._meta = comm.all_reduce(header, self.group, async_op=True, tag="header")
@@ -323,6 +351,7 @@ class DataParallel(nn.Module):
             self._next_bucket += 1
 
     def _end_of_backward(self) -> None:
+        sync = self._syncing
         try:
             if self._syncing:
                 self._finish_sync()
@@ -332,6 +361,10 @@ class DataParallel(nn.Module):
             self._forward_sync = None
             for b in self._buckets:
                 b.reset()
+            if self._trace_t0 is not None and tracing.ACTIVE is not None:
+                tracing.ACTIVE.record("backward", "compute", self._trace_t0, tracing.now(),
+                                      sync=sync)
+            self._trace_t0 = None
 
     def _finish_sync(self) -> None:
         missing = [i for i, ready in enumerate(self._ready) if not ready]
@@ -341,10 +374,14 @@ class DataParallel(nn.Module):
                 bucket.adopt(slot)
             bucket.pending -= 1
         self._launch_ready_buckets()
+        t_wait = tracing.now() if tracing.ACTIVE is not None else None
         self._meta.wait()
         items, item_passes, plain_passes = self._meta_tensor.tolist()
         for b in self._buckets:
             b.handle.wait()
+        if t_wait is not None and tracing.ACTIVE is not None:  # end of backward blocked on comm
+            tracing.ACTIVE.record("sync wait", "wait", t_wait, tracing.now(),
+                                  buckets=len(self._buckets))
         self._meta = None
         window = (self._win_items, self._win_item_passes, self._win_plain_passes)
         self._win_items, self._win_item_passes, self._win_plain_passes = 0.0, 0, 0
@@ -379,6 +416,8 @@ class DataParallel(nn.Module):
             order = self._order_log + [i for i in range(len(self._params)) if i not in seen]
             self._order_log = None
             self._rebuild(order)
+        elif self._autotuner is not None and not self._autotuner.done:
+            self._autotune_step(time.perf_counter() - self._pass_t0)
 
     def _rebuild(self, local_order: list[int]) -> None:
         """Rebuild buckets once, in the order gradients became ready on rank 0.
@@ -389,10 +428,32 @@ class DataParallel(nn.Module):
         order = torch.tensor(local_order, dtype=torch.int64, device=self._comm_device)
         comm.broadcast(order, 0, self.group, tag="rebuild")
         self._rebuilt = True
+        self._ready_order = order.tolist()
+        self._replan()
+
+    def _replan(self) -> None:
         specs = plan_buckets(self._specs, self.bucket_cap_bytes, self.first_bucket_bytes,
-                             order=order.tolist())
+                             order=self._ready_order)
         if [s.params for s in specs] != [b.spec.params for b in self._buckets]:
             self._install_buckets(specs)
+
+    def _autotune_step(self, seconds: float) -> None:
+        tuner = self._autotuner
+        action = tuner.record(seconds)
+        if action == "stay":
+            return
+        if action == "decide":  # every rank adopts the choice that suits the slowest rank
+            medians = torch.tensor(tuner.result.median_s, dtype=torch.float64,
+                                   device=self._comm_device)
+            comm.all_reduce(medians, self.group, op=dist.ReduceOp.MAX, tag="autotune")
+            tuner.decide(medians.tolist())
+        self.bucket_cap_bytes = mb_to_bytes(tuner.current_mb)
+        self._replan()
+
+    @property
+    def autotune_result(self) -> AutotuneResult | None:
+        """Candidates, the slowest rank's median per candidate and the choice (``"auto"`` only)."""
+        return None if self._autotuner is None else self._autotuner.result
 
     # ------------------------------------------------------------------ housekeeping
     def zero_grad(self, set_to_none: bool = False) -> None:

@@ -21,6 +21,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = from_args(args)
+        if cfg.baseline:
+            raise UsageError("--baseline launches its own 1-worker run: use `gradsync train "
+                             "--baseline`, or run the baseline with torchrun separately")
         import torch
 
         torch.set_num_threads(int(__import__("os").environ.get("GRADSYNC_THREADS", "1")))

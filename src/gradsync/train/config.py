@@ -28,7 +28,7 @@ class TrainConfig:
     micro_batch: int = field(default=8, metadata={"help": "samples per forward/backward on one worker"})
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate (linear warm-up, cosine decay to 10%%)"})
     warmup: int = field(default=20, metadata={"help": "warm-up steps"})
-    bucket_mb: float = field(default=25.0, metadata={"help": "gradient bucket cap in MiB (DDP's default is 25)"})
+    bucket_mb: float | str = field(default=25.0, metadata={"help": "gradient bucket cap in MiB (DDP's default is 25), or 'auto' to measure candidates during the first steps and keep the fastest", "type": lambda v: v if v == "auto" else float(v)})
     seed: int = field(default=0, metadata={"help": "seed for model initialisation and data order"})
     out: str = field(default="", metadata={"help": "run directory for metrics.jsonl, checkpoint.pt and summary.json (default runs/<date-time>)"})
     backend: str = field(default="auto", metadata={"help": "process-group backend: auto (nccl with CUDA, else gloo), gloo or nccl", "choices": BACKENDS})
@@ -40,6 +40,12 @@ class TrainConfig:
     resume: bool = field(default=False, metadata={"help": "continue from the checkpoint in --out"})
     timeout: float = field(default=300.0, metadata={"help": "seconds a collective may wait before the run fails"})
     port: int = field(default=0, metadata={"help": "rendezvous port on localhost (0: pick a free one)"})
+    trace: bool = field(default=False, metadata={"help": "record a Chrome trace (trace.json: forward, backward, each bucket's all-reduce, waits, optimizer; one process per rank) for the --trace-steps window"})
+    trace_steps: str = field(default="", metadata={"help": "steps to trace, FIRST:LAST (1-based, inclusive) or one step; implies --trace (default with --trace: 3:5, clipped to the run)"})
+    drift_every: int = field(default=50, metadata={"help": "compare a checksum of every parameter across workers every N steps and at the end; a mismatch stops the run naming the parameter (0: off)"})
+    baseline: bool = field(default=False, metadata={"help": "first run a short 1-worker baseline with the same micro-batch and accumulation (in OUT/baseline) to report scaling efficiency (gradsync train only)"})
+    baseline_steps: int = field(default=8, metadata={"help": "steps of the --baseline run"})
+    no_report: bool = field(default=False, metadata={"help": "do not write report.html and its figures at the end of the run"})
 
     def __post_init__(self) -> None:
         positive = ("workers", "steps", "global_batch", "micro_batch", "seq_len")
@@ -47,7 +53,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        for name in ("lr", "bucket_mb", "timeout"):
+        if self.bucket_mb != "auto" and not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
+            raise UsageError(f"--bucket-mb must be > 0 or 'auto', got {self.bucket_mb!r}")
+        for name in ("lr", "timeout"):
             if not getattr(self, name) > 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)!r}")
         if self.warmup < 0 or self.checkpoint_every < 0 or self.clip < 0:
@@ -65,6 +73,37 @@ class TrainConfig:
                              f"use one of {', '.join(DATA_FOR_MODEL[self.model])}")
         if not self.out:
             self.out = time.strftime("runs/%Y%m%d-%H%M%S")
+        if self.drift_every < 0 or self.baseline_steps < 1:
+            raise UsageError("--drift-every must be >= 0 and --baseline-steps >= 1")
+        if self.trace_steps:
+            self.trace = True
+        self.trace_window()
+
+    def trace_window(self) -> tuple[int, int] | None:
+        """The traced steps (1-based, inclusive), or None; checked against --steps."""
+        if not self.trace:
+            return None
+        if not self.trace_steps:
+            first = min(3, self.steps)
+            return first, min(first + 2, self.steps)
+        text = self.trace_steps.strip()
+        parts = text.split(":")
+        try:
+            if len(parts) == 1:
+                first = last = int(parts[0])
+            elif len(parts) == 2:
+                first, last = int(parts[0]), int(parts[1])
+            else:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"--trace-steps must be FIRST:LAST or one step number, "
+                             f"got {self.trace_steps!r}") from None
+        if first < 1 or last < first:
+            raise UsageError(f"--trace-steps {text}: need 1 <= FIRST <= LAST")
+        if last > self.steps:
+            raise UsageError(f"--trace-steps {text} goes beyond the last step (--steps "
+                             f"{self.steps}); choose a window within 1:{self.steps}")
+        return first, last
 
     def accumulation(self, world_size: int) -> int:
         """Micro-steps per optimizer step; the global batch must divide exactly."""
@@ -92,7 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
         if f.type in (bool, "bool"):
             parser.add_argument(flag, action="store_true", help=help_text)
             continue
-        kind = {"int": int, "float": float, "str": str}.get(str(f.type), str)
+        kind = meta.pop("type", None) or {"int": int, "float": float, "str": str}.get(str(f.type), str)
         default = f.default
         shown = "" if default in ("", None) else f" (default: {default})"
         parser.add_argument(flag, type=kind, default=default, help=help_text + shown, **meta)

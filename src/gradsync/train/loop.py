@@ -22,15 +22,18 @@ import torch.distributed as dist
 
 from .. import dist as gdist
 from ..data import DistributedSampler
+from ..engine import tracing
 from ..engine.data_parallel import DataParallel
 from ..errors import UsageError
 from .checkpoint import CHECKPOINT, atomic_save, load_checkpoint, remove_stale_temporaries
 from .config import TrainConfig
 from .data_setup import build_task, collate
+from .instrument import Instruments, baseline_rate_of, drift_line, write_report_safely
 from .progress import MetricsWriter, RunDisplay
 
 FAULT_ENV = "GRADSYNC_FAULT"
-"""Testing aid: ``RANK:STEP:KIND`` (KIND raise | exit | kill) makes that rank fail mid-step."""
+"""Testing aid: ``RANK:STEP:KIND`` (KIND raise | exit | kill) makes that rank fail mid-step;
+KIND perturb nudges that rank's first parameter, so its replica drifts (for the drift check)."""
 
 _MUST_MATCH_ON_RESUME = ("model", "data", "seq_len", "global_batch", "micro_batch", "seed")
 
@@ -44,7 +47,7 @@ def _interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def _inject_fault(rank: int, step: int) -> None:
+def _inject_fault(rank: int, step: int, module=None) -> None:
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
@@ -55,6 +58,9 @@ def _inject_fault(rank: int, step: int) -> None:
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
     if kind == "exit":
         os._exit(7)
+    if kind == "perturb" and module is not None:
+        with torch.no_grad():
+            next(module.parameters()).view(-1)[0] += 1e-3
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -175,6 +181,11 @@ def run_worker(cfg_dict: dict) -> dict | None:
 
     unit = "tok" if task.tokens_per_sample else "samples"
     per_step_units = cfg.global_batch * (task.tokens_per_sample or 1)
+    units = {"samples": cfg.global_batch}
+    if task.tokens_per_sample:
+        units["tokens"] = cfg.global_batch * task.tokens_per_sample
+    baseline_rate = baseline_rate_of(cfg) if rank == 0 else None
+    inst = Instruments(cfg, rank, world, device)
     writer = MetricsWriter(os.path.join(cfg.out, "metrics.jsonl")) if rank == 0 else None
     if rank == 0:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
@@ -194,11 +205,12 @@ def run_worker(cfg_dict: dict) -> dict | None:
     loop_started = time.perf_counter()
     with display if display else contextlib.nullcontext():
         for step in range(start_step, cfg.steps):
+            inst.begin_step(step + 1)
             t0 = time.perf_counter()
             loss_sum, items = 0.0, 0
             for k in range(accum):
                 if k == accum - 1:
-                    _inject_fault(rank, step)
+                    _inject_fault(rank, step, dp.module)
                 x, y = collate(task.dataset, next(batches))
                 x, y = x.to(device), y.to(device)
                 n = x.shape[0] * task.items_per_sample
@@ -207,38 +219,38 @@ def run_worker(cfg_dict: dict) -> dict | None:
                     dp.backward(micro_loss, num_items=n)
                 loss_sum += micro_loss.item() * n
                 items += n
-            if cfg.clip:
-                torch.nn.utils.clip_grad_norm_(dp.parameters(), cfg.clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            totals = torch.tensor([loss_sum, float(items)], dtype=torch.float64, device=device)
-            dist.all_reduce(totals)
-            loss = float(totals[0] / totals[1])
+            with tracing.span("optimizer"):
+                if cfg.clip:
+                    torch.nn.utils.clip_grad_norm_(dp.parameters(), cfg.clip)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+            stats = inst.gather_stats(loss_sum, float(items))
+            total_loss, total_items = float(stats[:, 0].sum()), float(stats[:, 1].sum())
+            loss = total_loss / total_items
             step_s = time.perf_counter() - t0
             step_times.append(step_s)
+            inst.end_step(step + 1)
             if rank == 0:
-                writer.write(
-                    {
-                        "step": step + 1,
-                        "loss": loss,
-                        "lr": sched.get_last_lr()[0],
-                        "step_time_s": step_s,
-                        "items": int(totals[1]),
-                        f"{unit}_per_s": per_step_units / step_s,
-                        "time_s": time.perf_counter() - loop_started,
-                    }
-                )
+                base = {"step": step + 1, "loss": loss, "lr": sched.get_last_lr()[0],
+                        "items": int(total_items), f"{unit}_per_s": per_step_units / step_s,
+                        "time_s": time.perf_counter() - loop_started}
+                writer.write(inst.record(step + 1, stats, step_s, base, units, baseline_rate))
                 display.update(step + 1, loss, per_step_units / step_s, step_s)
             done = step + 1
+            if done in (start_step + 1, cfg.steps) or (inst.window and done == inst.window[1]):
+                inst.write_plan(dp)
+            inst.maybe_check_drift(done, dp.module)
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
                 _save(cfg, ckpt_path, done, world, dp, opt, sched, sampler, loss)
+    inst.close()
     if writer:
         writer.close()
     if rank != 0:
         return None
     steady = sorted(step_times[min(3, len(step_times) - 1) :]) if step_times else [float("nan")]
     median_step = steady[len(steady) // 2]
+    tuned = dp.autotune_result
     summary = {
         "final_loss": loss,
         "steps": cfg.steps,
@@ -251,7 +263,19 @@ def run_worker(cfg_dict: dict) -> dict | None:
         "total_wall_s": time.perf_counter() - started,
         "checkpoint": ckpt_path,
         "buckets": len(dp.bucket_plan),
+        "samples_per_s": cfg.global_batch / median_step,
+        "drift": inst.drift,
+        "traced_steps": list(inst.window) if inst.window else None,
+        "bucket_cap_mb": dp.bucket_cap_bytes / 2**20,
+        "autotune": None if tuned is None else {
+            "candidates_mb": tuned.candidates_mb,
+            "median_s": tuned.median_s,
+            "chosen_mb": tuned.chosen_mb,
+        },
     }
+    if baseline_rate:
+        summary["baseline_samples_per_s"] = baseline_rate
+        summary["scaling_efficiency"] = summary["samples_per_s"] / (world * baseline_rate)
     with open(os.path.join(cfg.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     display.summary(
@@ -260,10 +284,18 @@ def run_worker(cfg_dict: dict) -> dict | None:
             (f"throughput ({unit}/s, median step)", f"{summary[f'{unit}_per_s']:,.0f}"),
             ("median step time", f"{median_step * 1e3:.1f} ms"),
             ("workers x accumulation", f"{world} x {accum}"),
-            ("gradient buckets", str(summary["buckets"])),
+            ("scaling efficiency vs 1 worker",
+             f"{summary['scaling_efficiency']:.0%}" if baseline_rate
+             else "n/a (1 worker)" if world == 1 else "(run with --baseline)"),
+            ("drift check", drift_line(inst.drift)),
+            ("gradient buckets", f"{summary['buckets']} (cap {summary['bucket_cap_mb']:.2f} MiB"
+                             + (", auto-tuned)" if tuned and tuned.chosen_mb else ")")),
             ("wall time", f"{summary['total_wall_s']:.1f} s"),
             ("checkpoint", ckpt_path),
         ],
         title=f"gradsync train: {cfg.model} on {cfg.data}",
     )
+    if not cfg.no_report:
+        write_report_safely(cfg.out)
     return summary
+

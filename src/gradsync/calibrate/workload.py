@@ -1,0 +1,133 @@
+"""What is being calibrated: a model, one worker's micro-batch, its loss and optimizer.
+
+Calibration must time the step the user will run, so the built-in models use
+the shapes ``gradsync train`` and ``benchmarks/ddp_vs_torch.py`` use (gpt:
+micro-batch 8 x 128 tokens, cross-entropy, AdamW; mlp: 64 x 1024, MSE, SGD with
+momentum). A ``module:factory`` names a function returning an ``nn.Module``; its
+batch comes from the module's ``example_batch(micro_batch, seq_len)`` method if it
+has one, otherwise from its first parameterised layer (``nn.Linear`` -> random
+features, ``nn.Embedding`` -> random token ids), and its loss is the mean square
+of the output (any scalar works: only time is measured). It is rebuilt from the
+spec string inside each worker, so only the string crosses process boundaries.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import UsageError
+
+BUILTIN = ("gpt", "mlp")
+DEFAULT_MICRO_BATCH = {"gpt": 8, "mlp": 64}
+DEFAULT_SEQ_LEN = 128
+
+
+@dataclass
+class Workload:
+    """A model and a closure computing its loss on a fixed micro-batch."""
+
+    spec: str
+    model: object  # torch.nn.Module (torch is imported lazily)
+    loss: Callable  # loss(model) -> scalar tensor
+    make_optimizer: Callable  # make_optimizer(params) -> torch.optim.Optimizer
+    micro_batch: int
+    seq_len: int
+
+
+def _load_factory(spec: str) -> Callable:
+    mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise UsageError(f"expected module:factory, got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: the user's own modules import
+    try:
+        module = importlib.import_module(mod_name)
+    except Exception as e:  # ImportError, or anything the module raises on import
+        raise UsageError(f"cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise UsageError(f"{mod_name!r} has no callable {attr!r}")
+    return factory
+
+
+def check_spec(spec: str) -> None:
+    """Fail early (before spawning anything) on a spec that cannot work."""
+    if spec in BUILTIN:
+        return
+    if ":" not in spec:
+        raise UsageError(f"unknown model {spec!r}; choose from {', '.join(BUILTIN)} "
+                         "or pass module:factory")
+    _load_factory(spec)
+
+
+def _example_batch(model, micro_batch: int, seq_len: int):
+    import torch
+    from torch import nn
+
+    if hasattr(model, "example_batch"):
+        return model.example_batch(micro_batch, seq_len)
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            return torch.randn(micro_batch, m.in_features)
+        if isinstance(m, nn.Embedding):
+            return torch.randint(0, m.num_embeddings, (micro_batch, seq_len))
+    raise UsageError(f"cannot tell the input shape of {type(model).__name__}: give it an "
+                     "example_batch(micro_batch, seq_len) method")
+
+
+def build_workload(spec: str, micro_batch: int | None = None, seq_len: int | None = None,
+                   seed: int = 0) -> Workload:
+    """Build the model (seeded) and its micro-batch; all failures are one-line UsageErrors."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    check_spec(spec)
+    mb = micro_batch or DEFAULT_MICRO_BATCH.get(spec, 8)
+    seq = seq_len or DEFAULT_SEQ_LEN
+    if mb < 1 or seq < 1:
+        raise UsageError(f"micro-batch and sequence length must be >= 1, got {mb} and {seq}")
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    if spec == "gpt":
+        from ..models import build_model
+
+        model = build_model("gpt", seq_len=seq)
+        x = torch.randint(0, 256, (mb, seq), generator=g)
+        y = torch.randint(0, 256, (mb, seq), generator=g)
+
+        def loss(m):
+            logits = m(x)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+        return Workload(spec, model, loss, lambda p: torch.optim.AdamW(p, lr=1e-4), mb, seq)
+    if spec == "mlp":
+        from ..models import build_model
+
+        model = build_model("mlp")
+        x = torch.randn(mb, 1024, generator=g)
+        y = torch.randn(mb, 1024, generator=g)
+        return Workload(spec, model, lambda m: F.mse_loss(m(x), y),
+                        lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9), mb, seq)
+    factory = _load_factory(spec)
+    try:
+        model = factory()
+    except Exception as e:
+        raise UsageError(f"{spec} raised {type(e).__name__}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UsageError(f"{spec} has no trainable parameters")
+    batch = _example_batch(model, mb, seq)
+    args = batch if isinstance(batch, tuple) else (batch,)
+
+    def generic_loss(m):
+        out = m(*args)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        return out.float().square().mean()
+
+    return Workload(spec, model, generic_loss, lambda p: torch.optim.SGD(p, lr=1e-3), mb, seq)

@@ -1,0 +1,57 @@
+"""`gradsync plan comm MODEL`: what communication costs per step, by pattern and N."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..plan.comm import plan_comm
+from ..plan.memory import resolve_param_count
+from ..plan.units import parse_int_list, parse_rate, parse_time
+from ._common import positive, print_json
+
+EPILOG = """\
+Units: GB = 1e9 bytes, GB/s = 1e9 bytes/s (a bare bandwidth number means GB/s).
+example (seed 003's exercise): gradsync plan comm 2e9 --itemsize 2
+  --bandwidth 25GB/s --workers 8,64,512   -> PS ingress 1.28/10.24/81.92 s,
+  ring all-reduce 0.28/0.315/0.319 s"""
+
+
+def register(subparsers, help_line: str):
+    p = subparsers.add_parser(
+        "comm", help=help_line, description=help_line, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL", help="count (2e9, 7B), built-in or module:factory")
+    p.add_argument("--itemsize", type=int, default=2, help="bytes per gradient element")
+    p.add_argument("--workers", default="8,64,512", help="comma-separated worker counts")
+    p.add_argument("--bandwidth", default="25GB/s", help="per-link (inter-node) bandwidth")
+    p.add_argument("--latency", default="0", help="alpha per message: 5us, 0.1ms")
+    p.add_argument("--per-node", type=int, help="workers per node (adds hierarchical)")
+    p.add_argument("--intra-bandwidth", help="intra-node bandwidth for hierarchical")
+    p.add_argument("--png", metavar="FILE", help="write time vs workers plot")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(run=run, command="plan comm")
+    return p
+
+
+def run(args) -> int:
+    positive(args.itemsize, "--itemsize")
+    positive(args.per_node, "--per-node")
+    count, _ = resolve_param_count(args.model)
+    intra = parse_rate(args.intra_bandwidth, "--intra-bandwidth") if args.intra_bandwidth else None
+    plan = plan_comm(
+        count, args.itemsize, parse_int_list(args.workers, "--workers"),
+        parse_rate(args.bandwidth, "--bandwidth"), parse_time(args.latency, "--latency"),
+        args.per_node, intra,
+    )
+    if args.json:
+        print_json(plan)
+    else:
+        from ..observe.plan_tables import comm_table, print_table
+
+        print_table(comm_table(plan))
+    if args.png:
+        from ..observe.plan_plots import comm_png
+
+        comm_png(plan, args.png)
+    return 0

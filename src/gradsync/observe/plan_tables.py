@@ -1,0 +1,113 @@
+"""Rich tables for the planner's dataclasses (the planners themselves never render)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from ..plan.batch import BatchPlan
+from ..plan.comm import CommPlan
+from ..plan.memory import MemoryPlan
+from ..plan.simulate import StepResult, Sweep
+from ..plan.units import fmt_bytes, fmt_time
+
+
+def print_table(table: Table) -> None:
+    Console(soft_wrap=False, width=120).print(table)
+
+
+def memory_table(plan: MemoryPlan, source: str = "") -> Table:
+    bpp = plan.per_param
+    title = (
+        f"Per-device memory, P = {plan.num_params:,} parameters{f' ({source})' if source else ''},"
+        f" N = {plan.world_size}; bytes/param: params {bpp.params:g}, grads {bpp.grads:g},"
+        f" optimizer {bpp.optimizer:g} (GB = 1e9 B)"
+    )
+    t = Table(title=title)
+    for col in ("strategy", "params", "grads", "optimizer", "activations", "total"):
+        t.add_column(col, justify="right" if col != "strategy" else "left")
+    if plan.device_memory is not None:
+        t.add_column(f"fits {fmt_bytes(plan.device_memory)}?", justify="center")
+    for s in plan.stages:
+        row = [s.stage, fmt_bytes(s.params), fmt_bytes(s.grads), fmt_bytes(s.optimizer),
+               fmt_bytes(s.activations), fmt_bytes(s.total)]
+        if s.fits is not None:
+            row.append("[green]fits[/]" if s.fits else "[red]does not fit[/]")
+        t.add_row(*row)
+    return t
+
+
+def batch_table(plan: BatchPlan) -> Table:
+    how = "rounded to a power of two" if plan.rounded else "not rounded"
+    t = Table(
+        title=(
+            f"Global batch {plan.global_tokens:,.0f} tokens / seq {plan.seq_len} = "
+            f"{plan.samples_exact:.1f} samples -> {plan.samples} ({how}); micro-batch "
+            f"{plan.micro_batch}"
+        )
+    )
+    for col in ("workers", "grad_acc", "steps to run", "samples/step", "note"):
+        t.add_column(col, justify="right" if col != "note" else "left")
+    for r in plan.rows:
+        if r.below_one:
+            note = "[red]accumulation < 1: too many workers (shrink mbs or grow the batch)[/]"
+        elif not r.exact:
+            note = "[yellow]not a whole number of micro-steps[/]"
+        else:
+            note = ""
+        t.add_row(str(r.workers), f"{r.grad_accum:g}", str(r.grad_accum_steps),
+                  str(r.samples_per_step), note)
+    return t
+
+
+def comm_table(plan: CommPlan) -> Table:
+    t = Table(
+        title=(
+            f"Gradient of {plan.num_params:,} x {plan.itemsize} B = {fmt_bytes(plan.grad_bytes)}; "
+            f"link {plan.bandwidth / 1e9:g} GB/s (1e9 B/s), alpha {fmt_time(plan.alpha)}"
+        )
+    )
+    cols = ["N", "ring AR", "tree AR", "RS", "AG"]
+    if plan.per_node:
+        cols.append(f"hier {plan.per_node}/node")
+    cols += ["PS ingress", "DP,Z1,Z2 vol", "Z3 vol", "Z3 time"]
+    for c in cols:
+        t.add_column(c, justify="right")
+    t.caption = ("AR all-reduce, RS reduce-scatter, AG all-gather, PS parameter server; "
+                 "vol = bytes each worker sends per step (DP/ZeRO-1/2: 2P, ZeRO-3: 3P)")
+    for r in plan.rows:
+        row = [str(r.workers), fmt_time(r.ring_s), fmt_time(r.tree_s),
+               fmt_time(r.reduce_scatter_s), fmt_time(r.all_gather_s)]
+        if plan.per_node:
+            row.append("-" if r.hierarchical_s is None else fmt_time(r.hierarchical_s))
+        row += [fmt_time(r.ps_ingress_s), fmt_bytes(r.dp_volume_bytes),
+                fmt_bytes(r.zero3_volume_bytes), fmt_time(r.zero3_s)]
+        t.add_row(*row)
+    return t
+
+
+def simulate_table(result: StepResult, sweep: Sweep | None = None) -> Table:
+    t = Table(title=f"Simulated step, bucket cap {result.bucket_cap_mb:g} MB "
+                    f"({len(result.buckets)} buckets, {result.accum_steps} micro-step(s))")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    rows = [
+        ("step time", fmt_time(result.step_s)),
+        ("forward", fmt_time(result.forward_s)),
+        ("backward", fmt_time(result.backward_s)),
+        ("optimizer", fmt_time(result.optimizer_s)),
+        ("communication (sum of buckets)", fmt_time(result.comm_s)),
+        ("exposed communication", fmt_time(result.exposed_s)),
+        ("scaling efficiency", f"{result.efficiency:.1%}"),
+    ]
+    if sweep is not None:
+        gap = sweep.default_s / sweep.optimum_s - 1 if sweep.optimum_s > 0 else 0.0
+        rows += [
+            ("optimal bucket (sweep 1 MB..2 GB)", f"{sweep.optimum_mb:.3g} MB"),
+            ("optimal step time", fmt_time(sweep.optimum_s)),
+            (f"default ({sweep.default_mb:g} MB) step time", fmt_time(sweep.default_s)),
+            ("default vs optimal", f"+{gap:.1%}"),
+        ]
+    for k, v in rows:
+        t.add_row(k, v)
+    return t

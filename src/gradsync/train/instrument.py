@@ -1,0 +1,173 @@
+"""What `gradsync train` measures besides the loss: step figures, the trace, drift.
+
+Kept out of loop.py so the loop reads as training. Every rank measures its own
+step (time blocked on collectives, bytes, peak memory); the figures travel to
+rank 0 in the one statistics all-gather the loop already needs for the global
+loss, so measuring adds no collective. The tracer records only inside the
+``--trace-steps`` window; its spans are gathered to rank 0 once, when the window
+closes, and written as one Chrome trace. The drift check runs every
+``--drift-every`` steps and at the end, and its result is kept in the run
+directory (drift.json) so the report can show it even when it failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..engine import comm
+from ..engine.drift import check_replicas
+from ..engine.tracing import Tracer
+from ..errors import ReplicaMismatchError
+from ..observe.chrome import TRACE_FILE, rank_payload, write_trace
+from ..observe.metrics import StepMeter, peak_memory_bytes
+from .config import TrainConfig
+
+PLAN_FILE = "plan.json"
+DRIFT_FILE = "drift.json"
+_FIELDS = 5  # loss_sum, items, exposed_s, bytes, peak memory
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+class Instruments:
+    def __init__(self, cfg: TrainConfig, rank: int, world: int, device: torch.device):
+        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.meter = StepMeter()
+        self.window = cfg.trace_window()
+        self.tracer = Tracer(rank) if self.window else None
+        self.tracing = False
+        self.drift = {"checks": 0, "ok": True, "every": cfg.drift_every, "last_step": None}
+
+    # ---------------------------------------------------------------- per step
+    def begin_step(self, step: int) -> None:
+        """``step`` is 1-based, as in metrics.jsonl."""
+        self.meter.reset()
+        w = self.window
+        if self.tracer is not None and w[0] <= step <= w[1]:
+            if not self.tracing:
+                self.tracer.start()
+                self.tracing = True
+            self.tracer.begin_step(step)
+
+    def gather_stats(self, loss_sum: float, items: float) -> torch.Tensor:
+        """[world, 5] float64: every rank's loss sum, items, exposed s, bytes, peak memory."""
+        mine = torch.tensor([loss_sum, items, self.meter.exposed_s, float(self.meter.bytes),
+                             float(peak_memory_bytes(self.device))],
+                            dtype=torch.float64, device=self.device)
+        out = torch.empty(self.world * _FIELDS, dtype=torch.float64, device=self.device)
+        comm.all_gather_single(out, mine, tag="stats")
+        return out.view(self.world, _FIELDS).cpu()
+
+    def end_step(self, step: int) -> None:
+        if not self.tracing:
+            return
+        self.tracer.end_step()
+        if step >= self.window[1] or step >= self.cfg.steps:
+            self.tracer.stop()
+            self.tracing = False
+            self._write_trace()
+
+    def _write_trace(self) -> None:
+        gathered = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(rank_payload(self.tracer), gathered, dst=0)
+        if self.rank == 0:
+            write_trace(os.path.join(self.cfg.out, TRACE_FILE), gathered)
+
+    def record(self, step: int, stats: torch.Tensor, step_s: float, base: dict,
+               units: dict[str, float], baseline_rate: float | None) -> dict:
+        """The metrics.jsonl line for this step (rank 0)."""
+        exposed = self.meter.exposed_s  # rank 0's, including the statistics gather
+        rec = dict(base)
+        rec.update({
+            "step_time_s": step_s,
+            "compute_s": max(0.0, step_s - exposed),
+            "exposed_comm_s": exposed,
+            "exposed_comm_s_by_rank": [float(v) for v in stats[:, 2]],
+            "comm_bytes": int(self.meter.bytes),
+            "collectives": self.meter.collectives,
+            "peak_mem_mb_by_rank": [float(v) / 2**20 for v in stats[:, 4]],
+        })
+        for name, per_step in units.items():
+            rec[f"{name}_per_s"] = per_step / step_s
+        if baseline_rate:
+            rec["scaling_efficiency"] = rec["samples_per_s"] / (self.world * baseline_rate)
+        return rec
+
+    # ---------------------------------------------------------------- occasional
+    def write_plan(self, dp) -> None:
+        """Rank 0: the parameters and the bucket plan in use now.
+
+        Called after the first step (the one rebuild), when the trace window closes
+        and at the end, so with ``--bucket-mb auto`` it follows the tuned cap.
+        """
+        if self.rank != 0:
+            return
+        _write_json(os.path.join(self.cfg.out, PLAN_FILE), {
+            "bucket_cap_mb": dp.bucket_cap_bytes / 2**20,
+            "first_bucket_mb": dp.first_bucket_bytes / 2**20,
+            "world_size": self.world,
+            "params": [[p.name, p.numel, p.itemsize, p.dtype] for p in dp.param_specs],
+            "buckets": [{"index": b.index, "params": list(b.params), "nbytes": b.nbytes}
+                        for b in dp.bucket_plan],
+        })
+
+    def maybe_check_drift(self, step: int, module) -> None:
+        every = self.cfg.drift_every
+        if not every or not (step % every == 0 or step == self.cfg.steps):
+            return
+        try:
+            n = check_replicas(module, step=step)
+        except ReplicaMismatchError as e:
+            self.drift.update(ok=False, last_step=step, error=str(e))
+            self._save_drift()
+            raise
+        self.drift.update(checks=self.drift["checks"] + 1, last_step=step, params=n)
+        self._save_drift()
+
+    def _save_drift(self) -> None:
+        if self.rank == 0:
+            _write_json(os.path.join(self.cfg.out, DRIFT_FILE), self.drift)
+
+    def close(self) -> None:
+        if self.tracer is not None and self.tracing:
+            self.tracer.stop()
+        self.meter.close()
+
+
+def drift_line(drift: dict) -> str:
+    if not drift["every"]:
+        return "off"
+    return f"replicas identical ({drift['checks']} checks)" if drift["ok"] else "FAILED"
+
+
+def baseline_rate_of(cfg: TrainConfig) -> float | None:
+    """Samples/s of the 1-worker baseline run in OUT/baseline, if one was run."""
+    path = os.path.join(cfg.out, "baseline", "summary.json")
+    try:
+        with open(path) as f:
+            return float(json.load(f)["samples_per_s"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def write_report_safely(out: str) -> None:
+    """The report is a convenience: a failure to draw it must not fail the run."""
+    try:
+        from ..observe.report import write_report
+
+        result = write_report(out)
+        print(f"report: {result.html}", flush=True)
+        for line in result.missing:
+            print(f"report: missing: {line}", flush=True)
+    except Exception as e:  # noqa: BLE001 - report the problem, keep the trained run
+        print(f"gradsync train: warning: could not write the report: "
+              f"{type(e).__name__}: {e}", flush=True)

@@ -1,0 +1,151 @@
+"""`gradsync plan ...` and `gradsync simulate` in-process: exit codes and outputs."""
+
+import json
+
+import pytest
+
+from gradsync.cli import main
+from gradsync.plan.profile import PROFILE_VERSION, profile_to_json, synthetic_profile
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(err):
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_memory_seed_numbers_json(capsys):
+    code, out, _ = run(capsys, "plan", "memory", "7.5e9", "--workers", "64",
+                       "--device-memory", "80GB", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    totals = [round(s["total"] / 1e9, 1) for s in plan["stages"]]
+    assert totals == [120.0, 31.4, 16.6, 1.9]
+    assert [s["fits"] for s in plan["stages"]] == [False, True, True, True]
+
+
+def test_memory_table_and_png(capsys, tmp_path):
+    png = tmp_path / "m.png"
+    code, out, _ = run(capsys, "plan", "memory", "7B", "--workers", "8", "--seq-len", "4096",
+                       "--hidden", "4096", "--layers", "32", "--heads", "32",
+                       "--checkpointing", "full", "--device-memory", "24GiB", "--png", str(png))
+    assert code == 0
+    assert "ZeRO-3" in out and "does not fit" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_module_factory(capsys):
+    code, out, _ = run(capsys, "plan", "memory", "tests.plan.factories:tiny_mlp", "--json")
+    assert code == 0 and json.loads(out)["num_params"] == 212
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["plan", "memory", "7B", "--device-memory", "24XB"], "unknown unit 'XB'"),
+        (["plan", "memory", "7B", "--workers", "0"], "--workers"),
+        (["plan", "memory", "--", "-5B"], "parameter count"),
+        (["plan", "memory", "0"], "must be > 0"),
+        (["plan", "memory", "no_such_mod_xyz:build"], "cannot import"),
+        (["plan", "memory", "tests.plan.factories:not_a_module"], "not a torch.nn.Module"),
+        (["plan", "memory", "7B", "--seq-len", "1024"], "needs --seq-len"),
+        (["plan", "batch", "--tokens", "4M", "--seq-len", "4096", "--micro-batch", "2",
+          "--workers", "0,8"], "--workers must be >= 1"),
+        (["plan", "batch", "--tokens", "0", "--seq-len", "4096", "--micro-batch", "2",
+          "--workers", "8"], "--tokens must be > 0"),
+        (["plan", "comm", "2e9", "--bandwidth", "25XB/s"], "unknown unit"),
+        (["plan", "comm", "2e9", "--workers", "0"], "--workers"),
+        (["plan", "comm", "2e9", "--latency", "5 parsecs"], "latency"),
+        (["simulate", "--bucket-mb", "0"], "--bucket-mb"),
+        (["simulate", "--layers", "0"], "--layers"),
+        (["simulate", "--workers", "0"], "--workers"),
+        (["simulate", "--profile", "/nonexistent/p.json"], "cannot read profile"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(capsys, argv, fragment):
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    line = one_line_error(err)
+    assert fragment in line
+    prefix = "gradsync simulate" if argv[0] == "simulate" else f"gradsync plan {argv[1]}"
+    assert line.startswith(prefix + ": error: ")
+
+
+def test_argparse_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "memory", "7B", "--workers", "many"])
+    assert e.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["plan"], ["plan", "memory"], ["plan", "batch"],
+                                  ["plan", "comm"], ["simulate"]])
+def test_every_command_has_help(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--help"])
+    assert e.value.code == 0
+    assert "usage: gradsync" in capsys.readouterr().out
+
+
+def test_batch_seed_table(capsys):
+    code, out, _ = run(capsys, "plan", "batch", "--tokens", "4M", "--seq-len", "4096",
+                       "--micro-batch", "2", "--workers", "128,512,1024", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["samples"] == 1024 and int(plan["samples_exact"]) == 976
+    assert [r["grad_accum"] for r in plan["rows"]] == [4, 1, 0.5]
+    assert [r["below_one"] for r in plan["rows"]] == [False, False, True]
+    code, out, _ = run(capsys, "plan", "batch", "--tokens", "4M", "--seq-len", "4096",
+                       "--micro-batch", "2", "--workers", "128,512,1024")
+    assert "accumulation < 1" in out
+
+
+def test_comm_seed_exercise(capsys, tmp_path):
+    code, out, _ = run(capsys, "plan", "comm", "2e9", "--itemsize", "2", "--bandwidth",
+                       "25GB/s", "--workers", "8,64,512", "--json")
+    assert code == 0
+    rows = json.loads(out)["rows"]
+    assert [r["ps_ingress_s"] for r in rows] == pytest.approx([1.28, 10.24, 81.92])
+    assert [r["ring_s"] for r in rows] == pytest.approx([0.28, 0.315, 0.319375])
+    png = tmp_path / "c.png"
+    code, out, _ = run(capsys, "plan", "comm", "2e9", "--per-node", "8", "--intra-bandwidth",
+                       "300GB/s", "--png", str(png))
+    assert code == 0 and "hier 8/node" in out and png.stat().st_size > 0
+
+
+def test_simulate_synthetic_outputs(capsys, tmp_path):
+    files = {k: tmp_path / f"{k}.{ext}" for k, ext in
+             (("timeline", "png"), ("sweep", "png"), ("page", "html"))}
+    code, out, _ = run(capsys, "simulate", "--layers", "12", "--timeline-png",
+                       str(files["timeline"]), "--sweep-png", str(files["sweep"]),
+                       "--html", str(files["page"]))
+    assert code == 0
+    assert "scaling efficiency" in out and "optimal bucket" in out
+    for f in files.values():
+        assert f.stat().st_size > 1000
+    assert "<script" in files["page"].read_text()
+
+
+def test_simulate_profile_and_version_check(capsys, tmp_path):
+    prof = tmp_path / "p.json"
+    prof.write_text(profile_to_json(synthetic_profile(layers=4)))
+    code, out, _ = run(capsys, "simulate", "--profile", str(prof), "--json",
+                       "--bandwidth", "2GB/s", "--accum", "2")
+    assert code == 0
+    result = json.loads(out)["result"]
+    assert result["accum_steps"] == 2 and result["step_s"] >= result["backward_s"]
+    data = json.loads(prof.read_text())
+    data["version"] = PROFILE_VERSION + 1
+    prof.write_text(json.dumps(data))
+    code, _, err = run(capsys, "simulate", "--profile", str(prof))
+    assert code == 2 and "version" in one_line_error(err)
+    prof.write_text("{not json")
+    code, _, err = run(capsys, "simulate", "--profile", str(prof))
+    assert code == 2 and "not JSON" in one_line_error(err)
