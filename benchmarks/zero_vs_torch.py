@@ -30,10 +30,11 @@ import gradsync as gs
 
 STRATEGIES = ["ddp", "zero1", "torch_zero1", "zero2", "zero3", "torch_fsdp2"]
 # variants, by name only (--only): the textbook collectives instead of the per-backend choice
-VARIANTS = ["zero1_native", "zero2_native", "zero3_native"]
+VARIANTS = ["zero1_native", "zero2_native", "zero3_native", "zero3_prefetch2"]
 BASELINE = {"zero1": "torch_zero1", "zero3": "torch_fsdp2", "zero2": "torch_zero1",
             "ddp": "torch_zero1", "zero1_native": "torch_zero1",
-            "zero2_native": "torch_zero1", "zero3_native": "torch_fsdp2"}
+            "zero2_native": "torch_zero1", "zero3_native": "torch_fsdp2",
+            "zero3_prefetch2": "torch_fsdp2"}
 
 
 class Block(nn.Module):
@@ -56,7 +57,8 @@ def _peak_mib() -> float:
 
 def _build(strategy, width, depth):
     collectives = "native" if strategy.endswith("_native") else "auto"
-    strategy = strategy.removesuffix("_native")
+    prefetch = 2 if strategy.endswith("_prefetch2") else 1
+    strategy = strategy.removesuffix("_native").removesuffix("_prefetch2")
     torch.manual_seed(0)
     module = nn.Sequential(*[Block(width) for _ in range(depth)])
     kw = {"lr": 1e-4, "weight_decay": 0.01}
@@ -68,7 +70,8 @@ def _build(strategy, width, depth):
         return model, gs.ZeroOptimizer(model, torch.optim.AdamW, stage=int(strategy[-1]),
                                        collectives=collectives, **kw), True
     if strategy == "zero3":
-        model = gs.FullyShardedDataParallel(module, wrap={Block}, collectives=collectives)
+        model = gs.FullyShardedDataParallel(module, wrap={Block}, collectives=collectives,
+                                            prefetch=prefetch)
         return model, torch.optim.AdamW(model.parameters(), **kw), True
     if strategy == "torch_zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
