@@ -179,9 +179,11 @@ class DataParallel(nn.Module):
         backward ends; the hooks, launch order, header and ``num_items`` accounting
         stay here, so every strategy keeps DataParallel's exact semantics. It
         provides ``bucket_numel(spec)`` (buffer length, e.g. padded to a multiple of
-        the world size), ``prepare()`` (called before gradients accumulate, e.g. to
-        re-allocate freed buffers), ``launch(bucket) -> comm.Pending`` and
-        ``finish(divisor)`` (after every launched bucket completed). The bucket
+        the world size), ``prepare()`` (called before gradients accumulate),
+        ``ensure(bucket)`` (before a gradient is copied into a bucket: a strategy
+        may release bucket storage, ZeRO-2 does, and re-allocate it here on first
+        use), ``launch(bucket) -> comm.Pending`` and ``finish(divisor)`` (after
+        every launched bucket completed). The bucket
         layout is frozen from here on (no rebuild), because sharded optimizer state
         lives in it.
         """
@@ -229,7 +231,8 @@ class DataParallel(nn.Module):
             if self._reduction is not None:
                 self._reduction.prepare()
             for b in self._buckets:
-                b.attach(keep_values=True)
+                if b.buffer.untyped_storage().nbytes():  # else released by a sharded reduction
+                    b.attach(keep_values=True)
         out = self.module(*args, **kwargs)
         if grad_on:
             for t in _tensors_in(out):
@@ -322,6 +325,8 @@ class DataParallel(nn.Module):
                 self._start_pass()
             bucket, slot = self._where[i]
             if not bucket.is_view(slot):
+                if self._reduction is not None:
+                    self._reduction.ensure(bucket)
                 bucket.adopt(slot)
             if not self._syncing:
                 return
@@ -371,6 +376,8 @@ class DataParallel(nn.Module):
         for i in missing:  # zero contribution; launch so no peer waits on us
             bucket, slot = self._where[i]
             if not bucket.is_view(slot):
+                if self._reduction is not None:
+                    self._reduction.ensure(bucket)
                 bucket.adopt(slot)
             bucket.pending -= 1
         self._launch_ready_buckets()
@@ -461,6 +468,8 @@ class DataParallel(nn.Module):
         if self._reduction is not None:
             self._reduction.prepare()
         for b in self._buckets:
+            if not b.buffer.untyped_storage().nbytes():  # released by a sharded reduction
+                continue
             b.buffer.zero_()
             if not set_to_none:
                 b.attach(keep_values=True)

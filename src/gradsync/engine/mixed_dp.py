@@ -32,6 +32,9 @@ class _WideReduction:
     def prepare(self) -> None:
         pass
 
+    def ensure(self, bucket) -> None:
+        pass
+
     def launch(self, bucket):
         buf = bucket.buffer
         src = buf if buf.dtype == self.dtype else buf.to(self.dtype)

@@ -15,10 +15,14 @@ communication of a ready bucket differs, through DataParallel's
 end of backward divides this rank's slice by the global item count. So after a
 synchronised backward this rank holds exactly its slice of the global-mean
 gradient (``grad_shards()``; ``param.grad`` is None, and ``step()`` must come before
-the next forward). Stage 1 keeps it inside the (persistent) bucket buffer; stage 2 copies it
-into a shard-sized tensor and releases the bucket buffers' storage (gradients
-2P/N between backward and step; the buffers are re-allocated at the next forward,
-so the peak during backward is not reduced: a documented limitation).
+the next forward). Stage 1 keeps it inside the (persistent) bucket buffer. Stage 2
+allocates a bucket when its first gradient arrives (DataParallel's ``ensure``),
+and once the bucket's reduction has completed copies this rank's slice out and
+frees the bucket, waiting for the oldest reduction when more than
+``MAX_INFLIGHT`` are pending; so during backward only a few buckets exist (peak
+about half of stage 1's in the test with 13 buckets) and between backward and
+step only the 2P/N gradient slice does. Under ``no_sync`` every bucket lives for
+the whole accumulation window (the local sum has to be kept somewhere).
 
 ``step()`` runs the inner optimizer on the master shards only, then all-gathers the
 updated parameters bucket by bucket into flat parameter buffers that the module's
@@ -90,6 +94,8 @@ class _Shard:
         self.grad: torch.Tensor | None = None  # stage 2: this rank's gradient slice
         self.reduced: torch.Tensor | None = None  # during a sync: the reduced slice
         self.src: torch.Tensor | None = None  # during a sync: the buffer being reduced
+        self.pending = None  # during a sync: the reduction in flight
+        self.partial: torch.Tensor | None = None  # stage 2: reduced slice, not yet divided
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -108,6 +114,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``"native"`` (reduce-scatter/all-gather) or ``"all_reduce"``.
         **optimizer_kwargs: passed to ``optimizer_class``.
     """
+
+    MAX_INFLIGHT = 3  # stage 2: bucket reductions pending before backward waits
 
     def __init__(self, model: DataParallel, optimizer_class, stage: int = 1,
                  mixed_precision: MixedPrecision | None = None, collectives: str = "auto",
@@ -146,21 +154,37 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return FlatShard((spec.numel,), self.world).padded
 
     def prepare(self) -> None:
-        """Stage 2: re-allocate bucket buffers released after the last sync."""
-        for s in self._shards:
-            buf = s.bucket.buffer
-            storage = buf.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(buf.numel() * buf.element_size())
-                buf.zero_()
+        """Nothing up front: stage 2 allocates a bucket when its first gradient arrives."""
+
+    def ensure(self, bucket) -> None:
+        """(Re-)allocate a bucket released after an earlier reduction (stage 2)."""
+        buf = bucket.buffer
+        storage = buf.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(buf.numel() * buf.element_size())
+            buf.zero_()
 
     def launch(self, bucket):
         s = self._shards[bucket.spec.index]
         rd = self._reduce_dtype(bucket.buffer.dtype)
         s.src = bucket.buffer if rd == bucket.buffer.dtype else bucket.buffer.to(rd)
-        pending, s.reduced = self.comm.reduce(s.src, self.rank, self.world, self.group,
-                                              tag=f"bucket{bucket.spec.index}")
-        return pending
+        s.pending, s.reduced = self.comm.reduce(s.src, self.rank, self.world, self.group,
+                                                tag=f"bucket{bucket.spec.index}")
+        if self.stage == 2:  # release earlier buckets whose reduction completed; beyond
+            inflight = [t for t in self._shards[:bucket.spec.index] if t.pending is not None]
+            for k, t in enumerate(inflight):  # MAX_INFLIGHT pending, wait for the oldest
+                if t.pending.done() or len(inflight) - k > self.MAX_INFLIGHT:
+                    self._release(t)
+        return s.pending
+
+    def _release(self, s: _Shard) -> None:
+        """Stage 2: keep the reduced slice, free the bucket (its gradients are used up)."""
+        s.pending.wait()  # already complete: no blocking, but it notifies observers
+        s.partial = s.reduced.clone()
+        s.reduced = s.src = s.pending = None
+        for p in s.bucket.params:
+            p.grad = None
+        s.bucket.buffer.untyped_storage().resize_(0)
 
     def finish(self, divisor: float) -> None:
         for s in self._shards:
@@ -172,8 +196,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 else:
                     target.copy_(red.div_(divisor))
             else:
-                s.grad = red.div_(divisor).to(s.bucket.buffer.dtype, copy=True)
-            s.reduced = s.src = None
+                part = s.partial if s.partial is not None else red
+                s.grad = part.div_(divisor).to(s.bucket.buffer.dtype, copy=True)
+            s.reduced = s.src = s.pending = s.partial = None
         for p in self.model.parameters():
             p.grad = None  # local, unreduced values: not a gradient anyone should read
         if self.stage == 2:
