@@ -36,10 +36,14 @@ class AutotuneResult:
 
 
 def candidate_caps_mb(total_bytes: int) -> list[float]:
-    """Caps doubling from 0.25 MiB up to one bucket holding every gradient."""
+    """Caps doubling from 0.25 MiB up to one bucket holding every gradient.
+
+    A doubling that lands within 10% of the whole model is dropped: it would
+    measure the same single bucket twice.
+    """
     total_mb = max(total_bytes / MIB, SMALLEST_CAP_MB)
     caps, cap = [], SMALLEST_CAP_MB
-    while cap < total_mb:
+    while cap < 0.9 * total_mb:
         caps.append(cap)
         cap *= 2
     caps.append(total_mb)

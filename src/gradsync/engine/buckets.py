@@ -41,19 +41,26 @@ class Bucket:
         Existing gradients are copied in (``keep_values``) so a rebuild or a
         user who assigned ``.grad`` loses nothing; ``None`` becomes zeros.
         """
-        for p, view in zip(self.params, self.views):
-            g = p.grad
+        grads = [p.grad for p in self.params]
+        if all(g is None for g in grads) or not keep_values:  # after zero_grad(set_to_none)
+            self.buffer.zero_()  # one fill instead of one per parameter
+            for p, view in zip(self.params, self.views):
+                p.grad = view
+            return
+        for p, view, g in zip(self.params, self.views, grads):
             if g is view:
                 continue
-            if g is None or not keep_values:
+            if g is None:
                 view.zero_()
             else:
                 view.copy_(g)
             p.grad = view
 
     def is_view(self, slot: int) -> bool:
-        g = self.params[slot].grad
-        return g is not None and g.data_ptr() == self.views[slot].data_ptr()
+        # Identity, not storage comparison: autograd accumulates in place, so the
+        # tensor we assigned stays the very object; this check runs once per
+        # parameter per backward, on the hot path.
+        return self.params[slot].grad is self.views[slot]
 
     def adopt(self, slot: int) -> None:
         """Pull in a gradient autograd wrote elsewhere (e.g. after ``zero_grad(set_to_none)``)."""

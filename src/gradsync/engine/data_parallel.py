@@ -149,6 +149,7 @@ class DataParallel(nn.Module):
         self._ready: list[bool] = [False] * len(self._params)
         self._next_bucket = 0
         self._meta: comm.Pending | None = None
+        self._meta_tensor = torch.zeros(3, dtype=torch.float64, device=self._comm_device)
         self._order_log: list[int] | None = None
         self._ready_order: list[int] | None = None
         self._rebuilt = False
@@ -312,10 +313,10 @@ class DataParallel(nn.Module):
         self._ready = [False] * len(self._params)
         self._next_bucket = 0
         self._pass_t0 = time.perf_counter()
-        header = torch.tensor([self._win_items, self._win_item_passes, self._win_plain_passes],
-                              dtype=torch.float64, device=self._comm_device)
+        header = self._meta_tensor
+        header[0], header[1], header[2] = (self._win_items, self._win_item_passes,
+                                           self._win_plain_passes)
         self._meta = comm.all_reduce(header, self.group, async_op=True, tag="header")
-        self._meta_tensor = header
         if not self._rebuilt:
             self._order_log = []
 
