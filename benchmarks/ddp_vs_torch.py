@@ -10,6 +10,8 @@ gradsync/torch. Models: the 8-layer 1024-wide GELU MLP with SGD (batch 64 per
 rank) and the built-in GPT with AdamW (micro-batch 8 x 128 tokens per rank).
 "gradsync plain" uses loss.backward() (DDP's convention, like torch);
 "gradsync exact" uses model.backward(loss, num_items=n), the path `gradsync train` runs.
+Both wrappers use their defaults (25 MiB buckets, 1 MiB first bucket) unless
+--bucket-mb is given.
 """
 
 from __future__ import annotations
@@ -59,10 +61,12 @@ def _worker(models: list[str], rounds: int, steps: int, bucket_mb: float):
         wrapped = {}
         for variant in VARIANTS:
             module, loss_fn, items, opt_cls, opt_kw = _setup(name, seed=0)
-            if variant == "torch DDP":
+            if bucket_mb is None:  # both libraries' defaults: 25 MiB cap, 1 MiB first bucket
+                m = DDP(module) if variant == "torch DDP" else gs.DataParallel(module)
+            elif variant == "torch DDP":  # an explicit cap makes DDP drop its small first bucket
                 m = DDP(module, bucket_cap_mb=bucket_mb)
             else:
-                m = gs.DataParallel(module, bucket_cap_mb=bucket_mb)
+                m = gs.DataParallel(module, bucket_cap_mb=bucket_mb, first_bucket_mb=bucket_mb)
             wrapped[variant] = (m, opt_cls(m.parameters(), **opt_kw), loss_fn, items)
 
         def step(variant, wrapped=wrapped):
@@ -97,7 +101,10 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--rounds", type=int, default=8, help="alternating rounds (default 8)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per block (default 5)")
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="bucket cap for both (default: each library's defaults, 25 MiB with a "
+                        "1 MiB first bucket; with a cap given, torch DDP drops its small first "
+                        "bucket and so does gradsync here)")
     p.add_argument("--models", default="mlp,gpt")
     p.add_argument("--json", help="also write the raw step times here")
     args = p.parse_args(argv)

@@ -40,6 +40,11 @@ from .buckets import Bucket
 from .replicas import broadcast_module_state, broadcast_tensors, comm_device, verify_same_structure
 
 
+_HEADER_SLOTS = 4  # items (high, low base-4096 digits), num_items passes, plain passes
+_DIGIT = 4096
+_MAX_ITEMS = 2**36
+
+
 def _tensors_in(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -61,8 +66,8 @@ def _as_count(num_items) -> float:
         n = float(num_items)
     except (TypeError, ValueError):
         raise UsageError(f"num_items must be a number, got {num_items!r}") from None
-    if not math.isfinite(n) or n < 0:
-        raise UsageError(f"num_items must be a finite number >= 0, got {num_items!r}")
+    if not math.isfinite(n) or n < 0 or n != int(n):
+        raise UsageError(f"num_items counts items: a whole number >= 0, got {num_items!r}")
     return n
 
 
@@ -149,7 +154,8 @@ class DataParallel(nn.Module):
         self._ready: list[bool] = [False] * len(self._params)
         self._next_bucket = 0
         self._meta: comm.Pending | None = None
-        self._meta_tensor = torch.zeros(3, dtype=torch.float64, device=self._comm_device)
+        self._meta_tensor = torch.zeros(_HEADER_SLOTS, dtype=torch.float64,
+                                        device=self._comm_device)
         self._order_log: list[int] | None = None
         self._ready_order: list[int] | None = None
         self._rebuilt = False
@@ -165,8 +171,17 @@ class DataParallel(nn.Module):
 
     # ------------------------------------------------------------------ layout
     def _install_buckets(self, specs: list[BucketSpec]) -> None:
+        # The window's item count rides at the end of the first bucket's buffer when
+        # its dtype carries whole numbers exactly (see _write_header); ZeRO strategies
+        # shard bucket buffers, so they keep the separate header collective.
+        self._piggyback = (self._reduction is None and bool(specs)
+                           and specs[0].dtype in ("float32", "float64"))
         size = (lambda s: self._reduction.bucket_numel(s)) if self._reduction else (lambda s: None)
         self._buckets = [Bucket(s, [self._params[i] for i in s.params], size(s)) for s in specs]
+        if self._piggyback:
+            first = specs[0]
+            self._buckets[0] = Bucket(first, [self._params[i] for i in first.params],
+                                      first.numel + _HEADER_SLOTS)
         self._where: list[tuple[Bucket, int]] = [None] * len(self._params)  # type: ignore[list-item]
         for b in self._buckets:
             for slot, i in enumerate(b.spec.params):
@@ -231,9 +246,11 @@ class DataParallel(nn.Module):
                 broadcast_tensors(self._buffers_to_sync, self.group, tag="buffers")
             if self._reduction is not None:
                 self._reduction.prepare()
-            for b in self._buckets:
-                if b.buffer.untyped_storage().nbytes():  # else released by a sharded reduction
-                    b.attach(keep_values=True)
+            # No re-attaching of bucket views here: after zero_grad(set_to_none=True)
+            # autograd hands over a fresh gradient and the hook copies it into the
+            # bucket once (as DDP does); re-attaching zeroed views would cost a fill
+            # plus an accumulate, twice the memory traffic. With zero_grad() that
+            # keeps the views, gradients accumulate straight into the bucket.
         out = self.module(*args, **kwargs)
         if grad_on:
             for t in _tensors_in(out):
@@ -313,12 +330,32 @@ class DataParallel(nn.Module):
         self._ready = [False] * len(self._params)
         self._next_bucket = 0
         self._pass_t0 = time.perf_counter()
-        header = self._meta_tensor
-        header[0], header[1], header[2] = (self._win_items, self._win_item_passes,
-                                           self._win_plain_passes)
-        self._meta = comm.all_reduce(header, self.group, async_op=True, tag="header")
+        if not self._piggyback:
+            self._write_header(self._meta_tensor)
+            self._meta = comm.all_reduce(self._meta_tensor, self.group, async_op=True,
+                                         tag="header")
         if not self._rebuilt:
             self._order_log = []
+
+    def _write_header(self, slots: torch.Tensor) -> None:
+        """The window's counts as whole numbers that survive a float32 sum exactly.
+
+        Items split into base-4096 digits: every digit summed over up to 4096 ranks
+        stays below 2**24, float32's exact-integer range, and the high digit covers
+        up to 2**36 items per window.
+        """
+        items = int(self._win_items)
+        if items >= _MAX_ITEMS // self.world_size:
+            raise UsageError(f"{items} items in one accumulation window on rank {self.rank}; "
+                             f"the exact count supports fewer than {_MAX_ITEMS // self.world_size}")
+        values = (float(items // _DIGIT), float(items % _DIGIT),
+                  float(self._win_item_passes), float(self._win_plain_passes))
+        slots.copy_(torch.tensor(values, dtype=torch.float64))
+
+    @staticmethod
+    def _read_header(slots: torch.Tensor) -> tuple[float, float, float]:
+        hi, lo, item_passes, plain_passes = slots.tolist()
+        return hi * _DIGIT + lo, item_passes, plain_passes
 
     def _make_hook(self, i: int):
         def hook(param):
@@ -347,6 +384,8 @@ class DataParallel(nn.Module):
         buckets = self._buckets
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
             b = buckets[self._next_bucket]
+            if self._piggyback and self._next_bucket == 0:
+                self._write_header(b.buffer[-_HEADER_SLOTS:])
             if self._reduction is not None:
                 b.handle = self._reduction.launch(b)
             else:
@@ -383,10 +422,12 @@ class DataParallel(nn.Module):
             bucket.pending -= 1
         self._launch_ready_buckets()
         t_wait = tracing.now() if tracing.ACTIVE is not None else None
-        self._meta.wait()
-        items, item_passes, plain_passes = self._meta_tensor.tolist()
+        if self._meta is not None:
+            self._meta.wait()
         for b in self._buckets:
             b.handle.wait()
+        items, item_passes, plain_passes = self._read_header(
+            self._buckets[0].buffer[-_HEADER_SLOTS:] if self._piggyback else self._meta_tensor)
         if t_wait is not None and tracing.ACTIVE is not None:  # end of backward blocked on comm
             tracing.ACTIVE.record("sync wait", "wait", t_wait, tracing.now(),
                                   buckets=len(self._buckets))

@@ -5,8 +5,9 @@ while it runs"): where the measurement departs from the prediction is where the
 model of the machine is wrong -- a slower link than calibrated, backward not
 overlapping, a rank waiting for another. The prediction is computed for the
 *same* run: the planner's ``simulate_step`` is fed a profile taken from the traced
-step itself (forward, backward and optimizer times; alpha from the 24-byte header
-all-reduce, beta from the buckets' service times) and the run's own parameters
+step itself (forward, backward and optimizer times; alpha from the header
+all-reduce or, where the item count rides in the first bucket, the per-step
+statistics gather; beta from the buckets' service times) and the run's own parameters
 and bucket caps, so it answers "what should this step have looked like".
 The planner is optional here: without ``gradsync.plan.simulate`` there is simply
 no prediction.
@@ -87,7 +88,10 @@ def measured_profile(trace: dict, plan: dict, step: int):
     opt = sum(dur(_rank0(trace, step, "optimizer")))
     all_steps = traced_steps(trace)
     headers = [d for s in all_steps for d in dur(_rank0(trace, s, "all_reduce header"))]
-    alpha = statistics.median(headers) if headers else 6e-4
+    # fp32/fp64 models carry the item count inside the first bucket, so there may be
+    # no header: then the quickest per-step statistics gather (a few bytes) is alpha.
+    stats = [d for s in all_steps for d in dur(_rank0(trace, s, "all_gather stats"))]
+    alpha = statistics.median(headers) if headers else min(stats) if stats else 6e-4
     world = int(plan.get("world_size", 2))
     betas = []
     for s in all_steps:
