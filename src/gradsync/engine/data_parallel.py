@@ -39,7 +39,6 @@ from .bucketing import BucketSpec, ParamSpec, mb_to_bytes, plan_buckets
 from .buckets import Bucket
 from .replicas import broadcast_module_state, broadcast_tensors, comm_device, verify_same_structure
 
-
 _HEADER_SLOTS = 4  # items (high, low base-4096 digits), num_items passes, plain passes
 _DIGIT = 4096
 _MAX_ITEMS = 2**36
