@@ -50,6 +50,25 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_sharded_strategies_resume_exactly(tmp_path, strategy):
+    """ZeRO checkpoints: optimizer shards per rank plus checkpoint.pt naming them."""
+    args = [*FAST, "--strategy", strategy]
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    r = run_cli("train", *args, "--out", str(straight))
+    assert r.returncode == 0, r.stderr
+    assert f"memory ({strategy}" in r.stdout
+    r = run_cli("train", *args, "--out", str(broken), env={"GRADSYNC_FAULT": "0:4:raise"})
+    assert r.returncode == 1 and "injected fault" in r.stderr
+    assert run_cli("train", *args, "--out", str(broken), "--resume").returncode == 0
+    a = torch.load(straight / "checkpoint.pt", weights_only=False)
+    b = torch.load(broken / "checkpoint.pt", weights_only=False)
+    assert a["optimizer_shards"] and b["step"] == 6
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert not any(k.startswith("module.") for k in a["model"])
+    assert [p.name for p in (broken / "checkpoint-shards").iterdir()] == ["step-0000006"]
+
+
 @pytest.mark.parametrize("kind,expect", [("exit", "exited with code 7"),
                                          ("kill", "killed by signal SIGKILL")])
 def test_worker_dying_mid_step_is_named(tmp_path, kind, expect):
@@ -91,6 +110,7 @@ def test_ctrl_c_keeps_last_checkpoint_and_leaves_no_temporary_files(tmp_path):
     (["--model", "mlp", "--data", "pysrc"], "does not fit"),
     (["--steps", "0"], "--steps must be"),
     (["--bucket-mb", "-3"], "--bucket-mb must be"),
+    (["--bucket-mb", "auto", "--strategy", "zero1"], "needs --strategy ddp"),
 ] + ([] if torch.cuda.is_available() else [(["--backend", "nccl"], "needs CUDA")]))
 def test_bad_arguments_exit_2_with_one_line(args, expect, tmp_path):
     r = run_cli("train", *args, "--out", str(tmp_path / "x"))

@@ -15,6 +15,8 @@ from ..dist import BACKENDS
 from ..errors import UsageError
 
 MODEL_CHOICES = ("gpt", "mlp")
+STRATEGY_CHOICES = ("ddp", "zero1", "zero2", "zero3")  # engine/strategy.py's STRATEGIES
+PRECISION_CHOICES = ("fp32", "bf16")
 DATA_CHOICES = ("pysrc", "random-tokens", "teacher")
 DATA_FOR_MODEL = {"gpt": ("pysrc", "random-tokens"), "mlp": ("teacher",)}
 DEFAULT_DATA = {"gpt": "pysrc", "mlp": "teacher"}
@@ -34,6 +36,8 @@ class TrainConfig:
     backend: str = field(default="auto", metadata={"help": "process-group backend: auto (nccl with CUDA, else gloo), gloo or nccl", "choices": BACKENDS})
     model: str = field(default="gpt", metadata={"help": "built-in model: gpt (small causal LM) or mlp (8x1024 GELU MLP)", "choices": MODEL_CHOICES})
     data: str = field(default="", metadata={"help": "data: pysrc (Python stdlib sources, offline), random-tokens (benchmarking), teacher (regression for mlp); default follows --model", "choices": ("",) + DATA_CHOICES})
+    strategy: str = field(default="ddp", metadata={"help": "ddp: replicate everything; zero1: shard optimizer state; zero2: also gradients; zero3: also parameters (FSDP)", "choices": STRATEGY_CHOICES})
+    precision: str = field(default="fp32", metadata={"help": "fp32, or bf16: compute in bf16 with fp32 master weights, optimizer state and gradient reduction", "choices": PRECISION_CHOICES})
     seq_len: int = field(default=128, metadata={"help": "tokens per sample for the gpt model"})
     clip: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this value (0 disables)"})
     checkpoint_every: int = field(default=100, metadata={"help": "save a checkpoint every N steps (and always at the end; 0: only at the end)"})
@@ -66,6 +70,13 @@ class TrainConfig:
             raise UsageError(f"unknown model {self.model!r}; choose from {', '.join(MODEL_CHOICES)}")
         if self.backend not in BACKENDS:
             raise UsageError(f"unknown backend {self.backend!r}; choose from {', '.join(BACKENDS)}")
+        if self.strategy not in STRATEGY_CHOICES:
+            raise UsageError(f"unknown strategy {self.strategy!r}; choose from {', '.join(STRATEGY_CHOICES)}")
+        if self.precision not in PRECISION_CHOICES:
+            raise UsageError(f"unknown precision {self.precision!r}; choose from {', '.join(PRECISION_CHOICES)}")
+        if self.bucket_mb == "auto" and self.strategy != "ddp":
+            raise UsageError("--bucket-mb auto needs --strategy ddp: sharded optimizer state "
+                             "needs a fixed bucket layout")
         if not self.data:
             self.data = DEFAULT_DATA[self.model]
         if self.data not in DATA_FOR_MODEL[self.model]:

@@ -11,6 +11,7 @@ batch. Rank 0 reports, writes metrics and checkpoints.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -18,14 +19,15 @@ import signal
 import time
 
 import torch
-import torch.distributed as dist
 
 from .. import dist as gdist
 from ..data import DistributedSampler
 from ..engine import tracing
-from ..engine.data_parallel import DataParallel
+from ..engine.clip import clip_grad_norm_
+from ..engine.strategy import build_strategy, memory_report
 from ..errors import UsageError
-from .checkpoint import CHECKPOINT, atomic_save, load_checkpoint, remove_stale_temporaries
+from . import state
+from .checkpoint import CHECKPOINT, remove_stale_temporaries
 from .config import TrainConfig
 from .data_setup import build_task, collate
 from .instrument import Instruments, baseline_rate_of, drift_line, write_report_safely
@@ -35,7 +37,6 @@ FAULT_ENV = "GRADSYNC_FAULT"
 """Testing aid: ``RANK:STEP:KIND`` (KIND raise | exit | kill) makes that rank fail mid-step;
 KIND perturb nudges that rank's first parameter, so its replica drifts (for the drift check)."""
 
-_MUST_MATCH_ON_RESUME = ("model", "data", "seq_len", "global_batch", "micro_batch", "seed")
 
 
 def _interrupt_on_sigterm() -> None:
@@ -92,68 +93,11 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(cfg: TrainConfig, params):
+def optimizer_spec(cfg: TrainConfig):
+    """AdamW for the language model, SGD with momentum for the MLP: (class, kwargs)."""
     if cfg.model == "gpt":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
-
-
-def _agree(flag: bool, device) -> bool:
-    """Rank 0 decides; every rank learns the decision (so all raise together)."""
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.broadcast(t, 0)
-    return bool(t.item())
-
-
-def _resume(cfg, ckpt_path, world, rank, dp, opt, sched, sampler, device) -> int:
-    exists = _agree(os.path.exists(ckpt_path), device)
-    if cfg.resume and not exists:
-        raise UsageError(f"--resume: no checkpoint at {ckpt_path}")
-    if not cfg.resume:
-        if exists:
-            raise UsageError(
-                f"{cfg.out} already holds a checkpoint; pass --resume to continue "
-                "it or choose another --out"
-            )
-        return 0
-    state = load_checkpoint(ckpt_path)
-    if state.get("world_size") != world:
-        raise UsageError(
-            f"checkpoint {ckpt_path} was written by {state.get('world_size')} workers; "
-            f"resume with {state.get('world_size')} (this run has {world})"
-        )
-    for key in _MUST_MATCH_ON_RESUME:
-        if state["config"].get(key) != getattr(cfg, key):
-            raise UsageError(
-                f"cannot resume: --{key.replace('_', '-')} was "
-                f"{state['config'].get(key)!r}, now {getattr(cfg, key)!r}"
-            )
-    dp.module.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    sampler.load_state_dict(state["samplers"][rank])
-    return int(state["step"])
-
-
-def _save(cfg, ckpt_path, step, world, dp, opt, sched, sampler, loss) -> None:
-    samplers = [None] * world
-    dist.all_gather_object(samplers, sampler.state_dict())
-    if dist.get_rank() == 0:
-        atomic_save(
-            {
-                "format": "gradsync-checkpoint",
-                "version": 1,
-                "step": step,
-                "model": dp.module.state_dict(),
-                "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(),
-                "samplers": samplers,
-                "world_size": world,
-                "config": cfg.to_dict(),
-                "loss": loss,
-            },
-            ckpt_path,
-        )
+        return torch.optim.AdamW, {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    return torch.optim.SGD, {"lr": cfg.lr, "momentum": 0.9}
 
 
 def run_worker(cfg_dict: dict) -> dict | None:
@@ -169,14 +113,18 @@ def run_worker(cfg_dict: dict) -> dict | None:
     sampler = DistributedSampler(
         task.dataset, num_replicas=world, rank=rank, seed=cfg.seed, mode="exact"
     )
-    dp = DataParallel(task.model.to(device), bucket_cap_mb=cfg.bucket_mb)
-    opt = make_optimizer(cfg, dp.parameters())
+    opt_cls, opt_kwargs = optimizer_spec(cfg)
+    dp, opt = build_strategy(task.model.to(device), cfg.strategy, cfg.precision, opt_cls,
+                             bucket_mb=cfg.bucket_mb, **opt_kwargs)
+    replicated = cfg.strategy != "zero3"  # ZeRO-3 ranks hold different parameter shards
+    # sharded gradients live with whoever holds the shards: the global norm is theirs to take
+    clip_target = opt if hasattr(opt, "grad_shards") else dp
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     ckpt_path = os.path.join(cfg.out, CHECKPOINT)
     if rank == 0:
         os.makedirs(cfg.out, exist_ok=True)
         remove_stale_temporaries(cfg.out)
-    start_step = _resume(cfg, ckpt_path, world, rank, dp, opt, sched, sampler, device)
+    start_step = state.resume(cfg, ckpt_path, world, rank, dp, opt, sched, sampler, device)
     batches = micro_batches(sampler, cfg.micro_batch)
 
     unit = "tok" if task.tokens_per_sample else "samples"
@@ -221,7 +169,7 @@ def run_worker(cfg_dict: dict) -> dict | None:
                 items += n
             with tracing.span("optimizer"):
                 if cfg.clip:
-                    torch.nn.utils.clip_grad_norm_(dp.parameters(), cfg.clip)
+                    clip_grad_norm_(clip_target, cfg.clip)
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
@@ -239,10 +187,12 @@ def run_worker(cfg_dict: dict) -> dict | None:
                 display.update(step + 1, loss, per_step_units / step_s, step_s)
             done = step + 1
             if done in (start_step + 1, cfg.steps) or (inst.window and done == inst.window[1]):
-                inst.write_plan(dp)
-            inst.maybe_check_drift(done, dp.module)
+                if hasattr(dp, "bucket_plan"):
+                    inst.write_plan(dp)
+            if replicated:
+                inst.maybe_check_drift(done, dp.module)
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-                _save(cfg, ckpt_path, done, world, dp, opt, sched, sampler, loss)
+                state.save(cfg, ckpt_path, done, world, dp, opt, sched, sampler, loss)
     inst.close()
     if writer:
         writer.close()
@@ -250,7 +200,8 @@ def run_worker(cfg_dict: dict) -> dict | None:
         return None
     steady = sorted(step_times[min(3, len(step_times) - 1) :]) if step_times else [float("nan")]
     median_step = steady[len(steady) // 2]
-    tuned = dp.autotune_result
+    tuned = getattr(dp, "autotune_result", None)
+    mem = memory_report(dp, opt)
     summary = {
         "final_loss": loss,
         "steps": cfg.steps,
@@ -262,11 +213,14 @@ def run_worker(cfg_dict: dict) -> dict | None:
         "train_wall_s": time.perf_counter() - loop_started,
         "total_wall_s": time.perf_counter() - started,
         "checkpoint": ckpt_path,
-        "buckets": len(dp.bucket_plan),
+        "buckets": len(getattr(dp, "bucket_plan", ())),
+        "strategy": cfg.strategy,
+        "precision": cfg.precision,
+        "memory": dataclasses.asdict(mem),
         "samples_per_s": cfg.global_batch / median_step,
         "drift": inst.drift,
         "traced_steps": list(inst.window) if inst.window else None,
-        "bucket_cap_mb": dp.bucket_cap_bytes / 2**20,
+        "bucket_cap_mb": getattr(dp, "bucket_cap_bytes", 0) / 2**20,
         "autotune": None if tuned is None else {
             "candidates_mb": tuned.candidates_mb,
             "median_s": tuned.median_s,
@@ -288,13 +242,15 @@ def run_worker(cfg_dict: dict) -> dict | None:
              f"{summary['scaling_efficiency']:.0%}" if baseline_rate
              else "n/a (1 worker)" if world == 1 else "(run with --baseline)"),
             ("drift check", drift_line(inst.drift)),
-            ("gradient buckets", f"{summary['buckets']} (cap {summary['bucket_cap_mb']:.2f} MiB"
-                             + (", auto-tuned)" if tuned and tuned.chosen_mb else ")")),
+            ("gradient buckets", "per wrapped unit (zero3)" if cfg.strategy == "zero3" else
+             f"{summary['buckets']} (cap {summary['bucket_cap_mb']:.2f} MiB"
+             + (", auto-tuned)" if tuned and tuned.chosen_mb else ")")),
             ("wall time", f"{summary['total_wall_s']:.1f} s"),
             ("checkpoint", ckpt_path),
         ],
-        title=f"gradsync train: {cfg.model} on {cfg.data}",
+        title=f"gradsync train: {cfg.model} on {cfg.data} ({cfg.strategy}, {cfg.precision})",
     )
+    display.console.print(mem.render(), highlight=False)
     if not cfg.no_report:
         write_report_safely(cfg.out)
     return summary
