@@ -1,6 +1,6 @@
 """The shortest complete data-parallel training script with gradsync.
 
-    torchrun --nproc-per-node 2 examples/minimal.py
+    torchrun --standalone --nproc-per-node 2 examples/minimal.py
 
 Every rank holds a full replica and a disjoint shard of the data; after each
 synchronised backward every rank holds the gradient of the mean loss over the

@@ -19,7 +19,8 @@ def _env():
 
 
 def test_minimal_example_runs_under_torchrun():
-    r = subprocess.run([*TORCHRUN, "--nproc-per-node", "2", str(ROOT / "examples" / "minimal.py")],
+    r = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "2",
+                        str(ROOT / "examples" / "minimal.py")],
                        capture_output=True, text=True, timeout=120, env=_env())
     assert r.returncode == 0, r.stderr[-3000:]
     assert "epoch 4: loss" in r.stdout
