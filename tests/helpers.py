@@ -167,3 +167,20 @@ def run_jobs(jobs):
 def job_results(results, index):
     """Per-rank results of job ``index`` from ``gs.spawn(run_jobs, ...)``."""
     return [r[index] for r in results]
+
+
+class Tied(nn.Module):
+    """Encoder and decoder share one weight, as a language model's embedding and head do."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.enc = nn.Linear(D_IN, D_IN, bias=False)
+        self.mid = nn.Linear(D_IN, D_IN)
+        self.dec = nn.Linear(D_IN, D_IN, bias=False)
+        self.dec.weight = self.enc.weight
+        self.out = nn.Linear(D_IN, D_OUT)
+        self.double()
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.dec(torch.tanh(self.mid(self.enc(x))))))

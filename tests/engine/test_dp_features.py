@@ -10,6 +10,7 @@ from gradsync.engine import comm
 from tests.helpers import (
     D_IN,
     D_OUT,
+    Tied,
     dataset,
     dp_train,
     even_schedule,
@@ -17,23 +18,6 @@ from tests.helpers import (
     mse,
     reference_train,
 )
-
-
-class Tied(nn.Module):
-    """Encoder and decoder share one weight, as a language model's embedding and head do."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(3)
-        self.enc = nn.Linear(D_IN, D_IN, bias=False)
-        self.mid = nn.Linear(D_IN, D_IN)
-        self.dec = nn.Linear(D_IN, D_IN, bias=False)
-        self.dec.weight = self.enc.weight
-        self.out = nn.Linear(D_IN, D_OUT)
-        self.double()
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.dec(torch.tanh(self.mid(self.enc(x))))))
 
 
 class Shuffled(nn.Module):

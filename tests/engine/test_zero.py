@@ -14,8 +14,8 @@ from torch import nn
 import gradsync as gs
 from gradsync.engine import comm
 from tests.helpers import (
-    D_IN,
     D_OUT,
+    Tied,
     dataset,
     job_results,
     max_gap,
@@ -88,21 +88,6 @@ def test_zero_matches_single_process_with_uneven_items(case):
     results = _results(world, index)
     assert results[0]["sgd"][1] > 1  # several buckets, each sharded with padding
     _check(results, mlp, SCHED[world])
-
-
-class Tied(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(3)
-        self.enc = nn.Linear(D_IN, D_IN, bias=False)
-        self.mid = nn.Linear(D_IN, D_IN)
-        self.dec = nn.Linear(D_IN, D_IN, bias=False)
-        self.dec.weight = self.enc.weight
-        self.out = nn.Linear(D_IN, D_OUT)
-        self.double()
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.dec(torch.tanh(self.mid(self.enc(x))))))
 
 
 class Tiny(nn.Module):

@@ -13,13 +13,11 @@ spec string inside each worker, so only the string crosses process boundaries.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import UsageError
+from ..plan.memory import load_factory
 
 BUILTIN = ("gpt", "mlp")
 DEFAULT_MICRO_BATCH = {"gpt": 8, "mlp": 64}
@@ -38,22 +36,6 @@ class Workload:
     seq_len: int
 
 
-def _load_factory(spec: str) -> Callable:
-    mod_name, _, attr = spec.partition(":")
-    if not mod_name or not attr:
-        raise UsageError(f"expected module:factory, got {spec!r}")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # like `python -m`: the user's own modules import
-    try:
-        module = importlib.import_module(mod_name)
-    except Exception as e:  # ImportError, or anything the module raises on import
-        raise UsageError(f"cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
-    factory = getattr(module, attr, None)
-    if factory is None or not callable(factory):
-        raise UsageError(f"{mod_name!r} has no callable {attr!r}")
-    return factory
-
-
 def check_spec(spec: str) -> None:
     """Fail early (before spawning anything) on a spec that cannot work."""
     if spec in BUILTIN:
@@ -61,7 +43,7 @@ def check_spec(spec: str) -> None:
     if ":" not in spec:
         raise UsageError(f"unknown model {spec!r}; choose from {', '.join(BUILTIN)} "
                          "or pass module:factory")
-    _load_factory(spec)
+    load_factory(spec)
 
 
 def _example_batch(model, micro_batch: int, seq_len: int):
@@ -113,7 +95,7 @@ def build_workload(spec: str, micro_batch: int | None = None, seq_len: int | Non
         y = torch.randn(mb, 1024, generator=g)
         return Workload(spec, model, lambda m: F.mse_loss(m(x), y),
                         lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9), mb, seq)
-    factory = _load_factory(spec)
+    factory = load_factory(spec)
     try:
         model = factory()
     except Exception as e:

@@ -218,12 +218,13 @@ def _check_module(obj, what: str) -> int:
     return n
 
 
-def _count_from_factory(text: str) -> tuple[int, str]:
+def load_factory(text: str):
+    """Import ``module:factory`` (the user's own modules too, like ``python -m``)."""
     mod_name, _, attr = text.partition(":")
     if not mod_name or not attr:
         raise UsageError(f"expected module:factory, got {text!r}")
     if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # like `python -m`: the user's own modules import
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(mod_name)
     except Exception as e:  # ImportError, or anything the module raises on import
@@ -231,6 +232,12 @@ def _count_from_factory(text: str) -> tuple[int, str]:
     factory = getattr(module, attr, None)
     if factory is None or not callable(factory):
         raise UsageError(f"{mod_name!r} has no callable {attr!r}")
+    return factory
+
+
+def _count_from_factory(text: str) -> tuple[int, str]:
+    mod_name, _, attr = text.partition(":")
+    factory = load_factory(text)
     try:
         obj = build_on_meta(factory)
     except Exception as e:
