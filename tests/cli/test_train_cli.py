@@ -147,3 +147,13 @@ def test_help_on_every_subcommand():
     for name, _ in COMMANDS:
         r = run_cli(name, "--help", timeout=60)
         assert r.returncode == 0 and "usage:" in r.stdout, name
+
+
+def test_corrupt_checkpoint_is_named_on_resume(tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("train", *FAST, "--out", str(out)).returncode == 0
+    ckpt = out / "checkpoint.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])  # truncated, as by a full disk
+    r = run_cli("train", *FAST, "--out", str(out), "--resume")
+    assert r.returncode == 2, r.stderr
+    assert "checkpoint.pt is unreadable" in r.stderr and "Traceback" not in r.stderr
