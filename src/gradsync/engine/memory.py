@@ -48,7 +48,7 @@ class MemoryReport:
                 ("fp32 master weights", self.master_params),
                 ("optimizer state", self.optimizer_state), ("model state", self.model_state),
                 ("communication buffers", self.comm_buffers), ("padding", self.padding)]
-        head = (f"memory ({STAGE_NAMES.get(self.stage, self.stage)}, rank of {self.world}, "
+        head = (f"memory ({STAGE_NAMES.get(self.stage, self.stage)}, per rank of {self.world}, "
                 f"P = {self.num_params:,})")
         return "\n".join([head] + [f"  {k:<22} {v / mib:10.3f} MiB" for k, v in rows])
 
