@@ -17,7 +17,7 @@ import matplotlib.image
 import pytest
 
 from gradsync.observe.report import REPORT
-from tests.plan.test_simulate_page import HEAD, chromium, needs_chromium
+from tests.browser import needs_chromium, run_page
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIGURES = ["loss.png", "throughput.png", "step_breakdown.png", "timeline.png", "memory.png"]
@@ -90,21 +90,6 @@ TAIL = """<script>(function(){
 
 @needs_chromium
 def test_report_renders_in_headless_chromium(run_dir, tmp_path):
-    page = (run_dir / REPORT).read_text()
-    page = page.replace("<head>", "<head>" + HEAD, 1).replace("</body>", TAIL + "</body>", 1)
-    path = tmp_path / "page.html"
-    path.write_text(page, encoding="utf-8")
-    proc = subprocess.run(
-        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
-         "--v=0", "--user-data-dir=" + str(tmp_path / "profile"), "--virtual-time-budget=5000",
-         "--dump-dom", path.as_uri()],
-        capture_output=True, text=True, timeout=90,
-    )
-    m = re.search(r'<pre id="gs-test-result">(.*?)</pre>', proc.stdout, re.S)
-    assert m, f"harness output missing; chromium rc={proc.returncode}: {proc.stderr[-2000:]}"
-    out = json.loads(m.group(1).replace("&quot;", '"').replace("&lt;", "<")
-                     .replace("&gt;", ">").replace("&amp;", "&"))
-    console = [ln for ln in proc.stderr.splitlines() if ":CONSOLE" in ln]
-    assert out["errors"] == [] and console == [], (out["errors"], console)
+    out = run_page((run_dir / REPORT).read_text(), TAIL, tmp_path)
     assert out["images"] == [True] * len(FIGURES)
     assert out["toggled"] == ""  # the inline script ran: the hidden table is shown

@@ -10,14 +10,13 @@ Chromium's own console log (--enable-logging=stderr) must show no console messag
 
 import json
 import re
-import shutil
-import subprocess
 
 import pytest
 
 from gradsync.observe.simulate_page import render_simulate_page
 from gradsync.plan.profile import ParamProfile, synthetic_profile
 from gradsync.plan.simulate import simulate_step, sweep_bucket_sizes
+from tests.browser import needs_chromium, run_page
 
 KW = dict(layers=24, params_per_layer=1_000_000, backward_s_per_layer=2e-3, tensors_per_layer=4,
           itemsize=4, forward_s=None, optimizer_s=1e-3, alpha_s=1e-3, bandwidth=1e9, world_size=2)
@@ -40,11 +39,6 @@ def test_page_is_self_contained():
     assert data["initial"]["bucket_mb"] == 25.0
 
 
-HEAD = """<script>window.__gsErrors=[];
-window.addEventListener('error',function(e){__gsErrors.push(String(e.message));});
-var __ce=console.error;console.error=function(){__gsErrors.push(Array.from(arguments).join(' '));};
-</script>"""
-
 TAIL = """<script>(function(){
  var out={errors:window.__gsErrors, runs:[]};
  function read(){var k=document.getElementById('kpi-step');
@@ -61,37 +55,9 @@ TAIL = """<script>(function(){
  pre.textContent=JSON.stringify(out);document.body.appendChild(pre);})();</script>"""
 
 
-def chromium():
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-needs_chromium = pytest.mark.skipif(
-    chromium() is None, reason="no chromium on PATH; .ci/browser-install.sh installs Debian's")
-
-
 def run_in_chromium(page, moves, tmp_path):
     """Load the page with the harness; returns what the harness saw."""
-    page = page.replace("<head>", "<head>" + HEAD, 1)
-    page = page.replace("</body>", TAIL % json.dumps(moves) + "</body>", 1)
-    path = tmp_path / "page.html"
-    path.write_text(page, encoding="utf-8")
-    proc = subprocess.run(
-        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
-         "--v=0", "--user-data-dir=" + str(tmp_path / "profile"), "--virtual-time-budget=5000",
-         "--dump-dom", path.as_uri()],
-        capture_output=True, text=True, timeout=90,
-    )
-    m = re.search(r'<pre id="gs-test-result">(.*?)</pre>', proc.stdout, re.S)
-    assert m, f"harness output missing; chromium rc={proc.returncode}: {proc.stderr[-2000:]}"
-    out = json.loads(m.group(1).replace("&quot;", '"').replace("&lt;", "<")
-                     .replace("&gt;", ">").replace("&amp;", "&"))
-    console = [ln for ln in proc.stderr.splitlines() if ":CONSOLE" in ln]
-    assert out["errors"] == [] and console == [], (out["errors"], console)
-    return out
+    return run_page(page, TAIL % json.dumps(moves), tmp_path)
 
 
 @needs_chromium
