@@ -10,6 +10,8 @@ from tests.engine.test_zero import Tied, Tiny
 from tests.helpers import (
     D_IN,
     D_OUT,
+    SHARDED_STEPS,
+    SHARDED_TOL,
     dataset,
     job_results,
     max_gap,
@@ -21,8 +23,8 @@ from tests.helpers import (
     uneven_schedule,
 )
 
-STEPS = 20
-TOL = {"sgd": 1e-12, "adamw": 1e-9}
+STEPS = SHARDED_STEPS
+TOL = SHARDED_TOL
 
 
 class Block(nn.Module):

@@ -15,6 +15,8 @@ import gradsync as gs
 from gradsync.engine import comm
 from tests.helpers import (
     D_OUT,
+    SHARDED_STEPS,
+    SHARDED_TOL,
     Tied,
     dataset,
     job_results,
@@ -28,8 +30,8 @@ from tests.helpers import (
     uneven_schedule,
 )
 
-STEPS = 20
-TOL = {"sgd": 1e-12, "adamw": 1e-9}
+STEPS = SHARDED_STEPS
+TOL = SHARDED_TOL
 
 
 def _zero(factory, stage, kind, schedule, collectives="auto", clip=None):
