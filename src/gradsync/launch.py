@@ -28,6 +28,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from . import dist as gdist
 from .errors import UsageError, WorkerFailedError
+from .heap import keep_freed_memory
 
 # Failures that are consequences of another rank's failure, not causes.
 _SECONDARY = re.compile(
@@ -67,6 +68,7 @@ def _record_and_die(exc: BaseException) -> None:
 def _worker_entry(fn: Callable, backend: str | None, timeout_s: float | None,
                   threads: int, args: tuple):
     torch.set_num_threads(threads)
+    keep_freed_memory()
     try:
         gdist.init(backend, timeout_s)
         result = fn(*args)

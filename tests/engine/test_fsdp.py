@@ -104,7 +104,8 @@ def _jobs(world):
         return [(_both, (Net, {Block}, SCHED[2], None, "native", 0)), (_count, ()),
                 (_bf16, (20,))]
     return [(_both, (Net, {Block}, SCHED[3], None, "auto")),
-            (_both, (Tied, {nn.Linear}, SCHED[3])), (_both, (Tiny, None, SCHED[3], 0.05))]
+            (_both, (Tied, {nn.Linear}, SCHED[3], None, "all_reduce")),
+            (_both, (Tiny, None, SCHED[3], 0.05))]
 
 
 _cache: dict = {}
@@ -147,9 +148,10 @@ def _count():
 def test_collectives_per_step():
     no_sync, synced, stepped, units = _results(2, 1)[0]
     assert units == 3  # root + two blocks
-    # forward gathers every unit, backward re-gathers every unit; no gradient traffic
-    assert no_sync == ["all_gather"] * (2 * units)
-    assert sorted(synced) == sorted(["all_gather"] * (2 * units) + ["all_reduce"]
+    # forward gathers every unit, backward re-gathers every unit but the root and the
+    # last block (kept gathered from forward into backward); no gradient traffic
+    assert no_sync == ["all_gather"] * (2 * units - 2)
+    assert sorted(synced) == sorted(["all_gather"] * (2 * units - 2) + ["all_reduce"]
                                     + ["reduce_scatter"] * units)
     assert stepped == []  # the optimizer steps on local shards
 

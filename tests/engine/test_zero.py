@@ -59,7 +59,9 @@ def _check(results, factory, schedule, clip=None):
 
 
 SCHED = {2: uneven_schedule(STEPS, 2), 3: uneven_schedule(STEPS, 3)}
-EXACT = [(1, 2, "auto"), (2, 2, "native"), (1, 3, "native"), (2, 3, "auto")]
+# "auto" is the pairwise exchange on gloo; every algorithm is checked at K = 2 or 3
+EXACT = [(1, 2, "auto"), (2, 2, "native"), (1, 3, "native"), (2, 3, "auto"),
+         (1, 3, "all_reduce")]
 
 
 def _jobs(world):
@@ -67,7 +69,8 @@ def _jobs(world):
     jobs = [(_run_both, (mlp, st, SCHED[w], c)) for st, w, c in EXACT if w == world]
     if world == 2:
         jobs += [(_run_both, (Tied, 2, SCHED[2])), (_count, (2, "native")),
-                 (_count, (2, "auto")), (_bf16_run, (1, 20)), (_bf16_run, (2, 20)),
+                 (_count, (2, "auto")), (_count, (2, "all_reduce")),
+                 (_bf16_run, (1, 20)), (_bf16_run, (2, 20)),
                  (_state_dict_round_trip, ()), (_bucket_peak, (1,)), (_bucket_peak, (2,))]
     else:
         jobs += [(_run_both, (Tiny, 1, SCHED[3], "auto", 0.05))]
@@ -109,7 +112,7 @@ def test_zero2_tied_weights_exact():
 
 
 def test_zero_fewer_elements_than_ranks_and_clipping():
-    _check(_results(3, 2), Tiny, SCHED[3], clip=0.05)
+    _check(_results(3, 3), Tiny, SCHED[3], clip=0.05)
 
 
 def _count(stage, collectives):
@@ -118,7 +121,11 @@ def _count(stage, collectives):
     cls, kw = optimizer_spec("sgd")
     opt = gs.ZeroOptimizer(dp, cls, stage=stage, collectives=collectives, **kw)
     events = []
-    with comm.add_observer(lambda kind, ev: events.append(ev.op) if kind == "launch" else None):
+    def seen(kind, ev):
+        if kind == "launch":
+            events.append("/".join([ev.op] + ([ev.meta["algorithm"]] if ev.meta else [])))
+
+    with comm.add_observer(seen):
         marks = {}
         for _ in range(2):
             with dp.no_sync():
@@ -135,8 +142,10 @@ def _count(stage, collectives):
     return marks, len(opt.shards)
 
 
-@pytest.mark.parametrize("index,reduce_op,gather_op", [(3, "reduce_scatter", "all_gather"),
-                                                       (4, "all_reduce", "all_gather")])
+@pytest.mark.parametrize("index,reduce_op,gather_op", [
+    (3, "reduce_scatter", "all_gather"),  # native
+    (4, "reduce_scatter/pairwise", "all_gather/pairwise"),  # auto on gloo
+    (5, "all_reduce", "all_reduce")])
 def test_collectives_per_step(index, reduce_op, gather_op):
     marks, buckets = _results(2, index)[0]
     assert marks["no_sync"] == []  # no communication while accumulating
@@ -183,7 +192,7 @@ def _bf16_run(stage, steps):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_bf16_memory_matches_formula_and_stays_close_to_fp32(stage):
-    results = _results(2, 4 + stage)
+    results = _results(2, 5 + stage)
     report, params, sched = results[0]
     assert report.params == 2 * report.num_params  # bf16 working copy, full
     assert report.grads == pytest.approx(2 * report.num_params / (1 if stage == 1 else 2), rel=0.01)
@@ -230,7 +239,7 @@ def _state_dict_round_trip():
 
 
 def test_state_dict_round_trip_continues_bitwise():
-    assert all(all(r) for r in _results(2, 7))
+    assert all(all(r) for r in _results(2, 8))
 
 
 def _bucket_peak(stage):
@@ -257,7 +266,7 @@ def _bucket_peak(stage):
 def test_stage2_releases_buckets_during_backward():
     """Stage 2 allocates a bucket at its first gradient and frees it once reduced, waiting
     when more than MAX_INFLIGHT are pending: its peak is a few buckets, not all of them."""
-    (peak1, total, n), = _results(2, 8)[:1]
-    (peak2, _, _), = _results(2, 9)[:1]
+    (peak1, total, n), = _results(2, 9)[:1]
+    (peak2, _, _), = _results(2, 10)[:1]
     assert n >= 10 and peak1 == total
     assert peak2 <= 0.6 * total, (peak2, total, n)

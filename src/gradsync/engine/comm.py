@@ -163,3 +163,46 @@ def reduce_scatter_single(output, input, group=None, op=dist.ReduceOp.SUM, async
     return _run("reduce_scatter", input,
                 lambda a: _reduce_scatter_single(output, input, op=op, group=group, async_op=a),
                 async_op, tag, meta)
+
+
+class _Exchange:
+    """Point-to-point works that complete as one; ``finish`` runs once, after all of them."""
+
+    __slots__ = ("_works", "_finish", "_tensors")
+
+    def __init__(self, works, finish, tensors):
+        self._works, self._finish, self._tensors = works, finish, tensors  # tensors: kept alive
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        self._tensors = None
+
+
+def exchange(op: str, tensor: torch.Tensor, sends, recvs, group=None, p2p_tag: int = 0,
+             finish=None, async_op=False, tag="", meta=None):
+    """Post point-to-point sends and receives and treat them as one collective ``op``.
+
+    ``sends`` / ``recvs``: ``[(tensor, group_rank), ...]``. Every rank must post the
+    matching calls with the same ``p2p_tag``. ``finish`` (no arguments) runs after
+    all of them completed, inside ``wait()``, e.g. to sum received slices. Observers
+    see one event named ``op`` sized by ``tensor``.
+    """
+    def peer(r):
+        return r if group is None else dist.get_global_rank(group, r)
+
+    def issue(_async):
+        works = [dist.isend(t, peer(r), group=group, tag=p2p_tag) for t, r in sends]
+        works += [dist.irecv(t, peer(r), group=group, tag=p2p_tag) for t, r in recvs]
+        work = _Exchange(works, finish, (sends, recvs))
+        if not _async:
+            work.wait()
+        return work
+
+    return _run(op, tensor, issue, async_op, tag, meta)

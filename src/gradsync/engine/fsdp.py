@@ -7,7 +7,10 @@ module's own parameters are replaced by views into a gathered buffer that exists
 only while it is needed:
 
 * before the unit's forward its buffer is all-gathered (the next units' gathers are
-  prefetched, ``prefetch`` ahead, in registration order) and freed afterwards;
+  prefetched, ``prefetch`` ahead, in registration order) and freed afterwards --
+  except the root and the last unit, whose backward follows at once: they stay
+  gathered into backward (a forward without a backward frees them at the next
+  forward);
 * a hook on the unit's outputs re-gathers it just before its backward (storage is
   re-filled in place, so the tensors autograd saved see the values again, as in
   FSDP1);
@@ -88,7 +91,12 @@ class FullyShardedDataParallel(nn.Module):
             self._hooks.append(module.register_forward_pre_hook(
                 cast_inputs_hook(mixed_precision.param_dtype), with_kwargs=True))
         root = [u for u in self._units if u.module is module]
-        self._reduce_order = [u for u in reversed(self._units) if u.module is not module] + root
+        rest = [u for u in self._units if u.module is not module]
+        self._reduce_order = rest[::-1] + root
+        # kept gathered from forward into backward (FSDP2 keeps the root; DeepSpeed's
+        # reuse distance keeps what is needed again at once): the root, and the last
+        # unit, whose backward comes first -- a free and a gather saved each
+        self._keep_for_backward = set(map(id, root + rest[-1:]))
         self._require_sync, self._forward_sync = True, None
         self._in_backward = self._syncing = self._accounted = False
         self._win = [0.0, 0, 0]  # items, item passes, plain passes
@@ -103,22 +111,20 @@ class FullyShardedDataParallel(nn.Module):
             return
         full = u.full.data
         full.untyped_storage().resize_(full.numel() * full.element_size())
-        src = u.shard.detach().to(full.dtype, copy=True)
-        u.gather_pending = (self.comm.gather(full, src, self.rank, self.group,
-                                             tag=f"unit{u.index}"), src)
+        u.gather_pending = self.comm.gather(full, u.shard.detach(), self.rank, self.group,
+                                            tag=f"unit{u.index}")
 
     def _gather(self, u: _Unit, grad: bool) -> None:
         self._launch_gather(u)
         if u.gather_pending is not None:
-            u.gather_pending[0].wait()
+            u.gather_pending.wait()
             u.gather_pending = None
-        with torch.set_grad_enabled(grad):
-            views = u.full[:u.layout.numel].split(list(u.layout.numels))
-            views = [v.view(s) for v, s in zip(views, u.shapes)]
+        views = u.param_views(grad)
         for mod, attr, k in u.slots:
             setattr(mod, attr, views[k])
 
     def _free(self, u: _Unit) -> None:
+        u.kept = False
         u.full.untyped_storage().resize_(0)
 
     def _prefetch_after(self, u: _Unit, backward: bool) -> None:
@@ -146,7 +152,17 @@ class FullyShardedDataParallel(nn.Module):
             for t in _tensors_in(out):
                 if t.requires_grad:
                     t.register_hook(lambda g, u=u: self._pre_backward(u))
+            if id(u) in self._keep_for_backward:
+                u.kept = True
+                return
         self._free(u)
+
+    def _release_kept(self):
+        """Free what an earlier forward kept for a backward that never came."""
+        for u in self._units:
+            if u.kept:
+                u.kept = False
+                self._free(u)
 
     def _pre_backward(self, u):
         self._start_pass()
@@ -191,6 +207,8 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ passes
     def forward(self, *args, **kwargs):
         grad = torch.is_grad_enabled()
+        if not self._in_backward:
+            self._release_kept()
         if grad and not self._in_backward:
             self._forward_sync = self._require_sync
         root = self._units[0] if self._units and self._units[0].module is self.module else None
@@ -239,9 +257,11 @@ class FullyShardedDataParallel(nn.Module):
     def _empty_pass(self):
         """A rank without data issues the same collectives with zero gradients."""
         self._forward_sync = self._require_sync
-        for u in self._units:
+        self._release_kept()
+        for u in self._units:  # the same gathers as a forward, keeping the same units
             self._gather(u, False)
-            self._free(u)
+            if id(u) not in self._keep_for_backward:
+                self._free(u)
         self._start_pass(queue=False)
         root = [u for u in self._units if u.module is self.module]
         rest = [u for u in self._units if u.module is not self.module]
@@ -315,8 +335,12 @@ class FullyShardedDataParallel(nn.Module):
         """
         pending, part, _src = u.reduced
         pending.wait()
-        g = part.div_(self._divisor()).to(u.shard.dtype)
-        u.shard.grad = g.clone() if u.shard.grad is None else u.shard.grad.add_(g)
+        div = self._divisor()
+        if u.shard.grad is None:  # one pass: divide into a fresh tensor of the shard's dtype
+            u.shard.grad = torch.empty_like(u.shard)
+            torch.div(part, div, out=u.shard.grad)
+        else:
+            u.shard.grad.add_(part.div_(div))
         u.reduced = None
 
     # ------------------------------------------------------------------ state
@@ -329,7 +353,7 @@ class FullyShardedDataParallel(nn.Module):
         out = dict(self.module.state_dict())
         for u in self._units:
             full = torch.empty(u.layout.padded, dtype=u.shard.dtype)
-            self.comm.gather(full, u.shard.detach().clone(), self.rank, self.group,
+            self.comm.gather(full, u.shard.detach(), self.rank, self.group,
                              tag=f"state{u.index}").wait()
             pieces = full[:u.layout.numel].split(list(u.layout.numels))
             names = self._slot_names(u)

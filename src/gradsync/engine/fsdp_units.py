@@ -30,12 +30,53 @@ class FlatUnit:
         self.shard = nn.Parameter(flat[start:end].clone())
         self.full = torch.zeros(self.layout.padded, dtype=dtype, requires_grad=True)
         self.full.untyped_storage().resize_(0)
-        self.gather_pending = None  # (Pending, input) while a gather is in flight
+        self.gather_pending = None  # the Pending gather while one is in flight
         self.acc: torch.Tensor | None = None  # unsharded gradient under no_sync
         self.ready: torch.Tensor | None = None  # this pass's gradient, waiting to launch
         self.reduced = None  # (Pending, slice, source) of the launched reduction
         self.grad_seen = False
         self.bw_gathered = False
+        self.kept = False  # gathered in forward and kept for its backward
+
+    def views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """One tensor per parameter, viewing its place in a flat buffer of this unit."""
+        pieces = flat[:self.layout.numel].split(list(self.layout.numels))
+        return [p.view(s) for p, s in zip(pieces, self.shapes)]
+
+    def param_views(self, grad: bool) -> list[torch.Tensor]:
+        """The module-facing parameters: views of the gathered buffer, differentiable
+        into ``full`` when ``grad``."""
+        if grad:
+            return list(UnflattenParams.apply(self.full, self))
+        return self.views_of(self.full.detach())
+
+
+class UnflattenParams(torch.autograd.Function):
+    """A unit's flat buffer -> one view per parameter, with a backward that writes the
+    parameters' gradients straight into one fresh flat gradient.
+
+    Autograd through ``full[:numel].split(...)`` would build the same flat gradient
+    in three passes (zero-filled buffer for the slice, a concatenation for the split,
+    a copy between them); this is one pass, plus zeroing the padding tail.
+    """
+
+    @staticmethod
+    def forward(ctx, full, unit):
+        ctx.unit = unit
+        return tuple(unit.views_of(full))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        u = ctx.unit
+        flat = torch.empty(u.layout.padded, dtype=grads[0].dtype if grads[0] is not None
+                           else u.full.dtype)
+        for piece, g in zip(u.views_of(flat), grads):
+            if g is None:  # a parameter that took no part in this forward
+                piece.zero_()
+            else:
+                piece.copy_(g)
+        flat[u.layout.numel:].zero_()
+        return flat, None
 
 
 def build_units(module: nn.Module, wrap, world: int, rank: int,

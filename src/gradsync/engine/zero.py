@@ -276,10 +276,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Re-build the full parameters from the master shards (after loading)."""
         pending = []
         for k, s in enumerate(self._shards):
-            shard = s.master.to(s.flat.dtype, copy=True)  # never an alias of s.flat
-            pending.append((self.comm.gather(s.flat, shard, self.rank, self.group,
-                                             tag=f"params{k}"), shard))
-        for p, _ in pending:
+            pending.append(self.comm.gather(s.flat, s.master.detach(), self.rank, self.group,
+                                            tag=f"params{k}"))
+        for p in pending:
             p.wait()
 
     @property

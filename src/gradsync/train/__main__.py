@@ -10,6 +10,7 @@ import sys
 
 from .. import dist as gdist
 from ..errors import UsageError
+from ..heap import keep_freed_memory
 from .config import add_arguments, from_args
 from .loop import run_worker
 
@@ -27,6 +28,7 @@ def main(argv=None) -> int:
         import torch
 
         torch.set_num_threads(int(__import__("os").environ.get("GRADSYNC_THREADS", "1")))
+        keep_freed_memory()
         gdist.init(cfg.backend, cfg.timeout)
         cfg.workers = gdist.world_size()
         run_worker(cfg.to_dict())
