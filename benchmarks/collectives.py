@@ -1,21 +1,31 @@
-"""Time reduce-scatter / all-gather against all-reduce of the same bytes (2 ranks, gloo).
+"""Time each way of reducing to shards and of gathering shards, same bytes, alternating.
 
-Usage: PYTHONPATH=src python benchmarks/collectives.py [MB ...]
-The figures decide which collective ZeroOptimizer / FullyShardedDataParallel use per
-backend (see engine/zero_comm.py).
+Usage: PYTHONPATH=src python benchmarks/collectives.py [--world 2] [--reps 7] [MB ...]
+
+Columns: ``all_reduce`` (then keep a slice), gloo's ``reduce_scatter``, the
+``pairwise`` point-to-point reduce-scatter, gloo's ``all_gather``, an all-gather
+done as an all-reduce of a zero-filled buffer, and the ``pairwise`` gather: the
+candidates ``gradsync.engine.shard_comm.ShardComm`` chooses between per backend
+(its docstring quotes these figures). Each cell is the best of 3 alternating
+medians of ``--reps`` timed calls.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 import gradsync as gs
-from gradsync.engine import comm
+from gradsync.engine.replicas import comm_device
+from gradsync.engine.shard_comm import CHOICES, ShardComm
+
+COLUMNS = [("reduce", "all_reduce"), ("reduce", "native"), ("reduce", "pairwise"),
+           ("gather", "native"), ("gather", "all_reduce"), ("gather", "pairwise")]
+HEADER = ["all_reduce RS", "gloo RS", "pairwise RS", "gloo AG", "all_reduce AG", "pairwise AG"]
 
 
 def _time(fn, reps):
@@ -24,34 +34,48 @@ def _time(fn, reps):
         dist.barrier()
         t0 = time.perf_counter()
         fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)
     return statistics.median(out) * 1e3
 
 
 def worker(sizes_mb, reps):
-    n_world = dist.get_world_size()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    comms = {c: ShardComm(*CHOICES[c]) for c in ("all_reduce", "native", "pairwise")}
     rows = []
     for mb in sizes_mb:
-        n = int(mb * 2**20 / 4) // n_world * n_world
-        full = torch.randn(n)
-        shard = torch.empty(n // n_world)
-        cands = {
-            "all_reduce": lambda f=full: comm.all_reduce(f),
-            "reduce_scatter": lambda f=full, s=shard: comm.reduce_scatter_single(s, f),
-            "all_gather": lambda f=full, s=shard: comm.all_gather_single(f, s),
-        }
-        t = {}
-        for _ in range(2):  # alternate the candidates
-            for name, fn in cands.items():
-                t.setdefault(name, []).append(_time(fn, reps))
-        rows.append((mb, {k: min(v) for k, v in t.items()}))
+        n = int(mb * 2**20 / 4) // world * world
+        full = torch.randn(n, device=comm_device())
+        shard = torch.randn(n // world, device=full.device)
+
+        def run(kind, choice):
+            c = comms[choice]
+            if kind == "reduce":
+                return lambda: c.reduce(full, rank, world, None, tag="bench")[0].wait()
+            return lambda: c.gather(full, shard, rank, None, tag="bench").wait()
+
+        t = {col: [] for col in COLUMNS}
+        for _ in range(3):
+            for col in COLUMNS:
+                t[col].append(_time(run(*col), reps))
+        rows.append((mb, [min(t[col]) for col in COLUMNS]))
     return rows
 
 
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sizes", nargs="*", type=float, default=[1, 4.2, 8, 33.6], help="MB")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=7)
+    a = ap.parse_args(argv)
+    rows = gs.spawn(worker, a.world, a.sizes, a.reps)[0]
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    print(f"{a.world} ranks, backend {backend}, ms (best of 3 alternating medians of {a.reps})")
+    print(f"{'MB':>6} " + " ".join(f"{h:>14}" for h in HEADER))
+    for mb, times in rows:
+        print(f"{mb:>6g} " + " ".join(f"{x:>14.2f}" for x in times))
+
+
 if __name__ == "__main__":
-    sizes = [float(s) for s in sys.argv[1:]] or [1, 8, 34]
-    res = gs.spawn(worker, 2, sizes, 5)[0]
-    print(f"{'MB':>6} {'all_reduce ms':>14} {'reduce_scatter ms':>18} {'all_gather ms':>14}")
-    for mb, t in res:
-        print(f"{mb:>6g} {t['all_reduce']:>14.1f} {t['reduce_scatter']:>18.1f} "
-              f"{t['all_gather']:>14.1f}")
+    main()
