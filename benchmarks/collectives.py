@@ -49,7 +49,7 @@ def worker(sizes_mb, reps):
         full = torch.randn(n, device=comm_device())
         shard = torch.randn(n // world, device=full.device)
 
-        def run(kind, choice):
+        def run(kind, choice, full=full, shard=shard):
             c = comms[choice]
             if kind == "reduce":
                 return lambda: c.reduce(full, rank, world, None, tag="bench")[0].wait()

@@ -85,3 +85,17 @@ def test_init_outside_a_launcher_says_how_to_launch(monkeypatch):
 def test_unknown_backend_rejected():
     with pytest.raises(gs.UsageError, match="unknown backend"):
         gs.spawn(_whoami, 1, "x", backend="mpi")
+
+
+def _env(key):
+    return os.environ.get(key), os.environ.get("RANK")
+
+
+def test_workers_see_the_callers_environment_at_each_launch(monkeypatch):
+    """Workers fork from a forkserver started at the first launch; a variable set after
+    that still reaches them, and the agent's per-worker variables are not overwritten."""
+    gs.spawn(_env, 1, "GRADSYNC_TEST_VALUE")  # the forkserver exists from here on
+    monkeypatch.setenv("GRADSYNC_TEST_VALUE", "after-first-launch")
+    monkeypatch.setenv("RANK", "99")
+    assert gs.spawn(_env, 2, "GRADSYNC_TEST_VALUE") == [("after-first-launch", "0"),
+                                                        ("after-first-launch", "1")]

@@ -10,13 +10,15 @@ under ``FullyShardedDataParallel``): about 8,000 page faults per step, i.e. the
 whole model re-faulted each step; with the settings below, 2-5.
 
 Raising ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` keeps freed blocks in the heap,
-so the next allocation of the same size reuses warm pages. The peak is unchanged
-(a freed block is reused, not added to); the resident size simply does not shrink
-back between steps. PyTorch's CPU tuning guide makes the same point by
-recommending jemalloc or tcmalloc. gradsync's launcher (``gradsync.spawn``,
-``gradsync train``, ``python -m gradsync.train``) applies this to every worker it
-starts; ``GRADSYNC_KEEP_FREED_MEMORY=0`` turns it off. Other allocators (a
-preloaded jemalloc/tcmalloc, musl) are left alone.
+so the next allocation of a similar size reuses warm pages: a stage-3 step went
+from 118-128 ms to 131-140 ms without it (4 alternating pairs, same machine). The
+resident size no longer shrinks between steps; the peak barely moves (300 steps of
+that model: peak RSS 412 MiB per rank with it, 418 MiB without). PyTorch's CPU
+tuning guide makes the same point by recommending jemalloc or tcmalloc.
+gradsync's launcher (``gradsync.spawn``, ``gradsync train``, ``python -m
+gradsync.train``) applies this to every worker it starts;
+``GRADSYNC_KEEP_FREED_MEMORY=0`` turns it off. Other allocators (a preloaded
+jemalloc/tcmalloc, musl) are left alone.
 """
 
 from __future__ import annotations

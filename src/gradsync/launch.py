@@ -65,8 +65,27 @@ def _record_and_die(exc: BaseException) -> None:
         os._exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
 
 
+# Set by the elastic agent for each worker: never overwritten with the caller's values.
+_AGENT_KEYS = frozenset({
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS"})
+
+
+def _caller_environment() -> dict[str, str]:
+    """The caller's environment now, minus what the agent sets per worker.
+
+    Workers fork from a forkserver started at the first launch, so they inherit its
+    environment, not the caller's current one; this snapshot travels with each
+    launch and is applied first thing in the worker.
+    """
+    return {k: v for k, v in os.environ.items()
+            if k not in _AGENT_KEYS and not k.startswith(("TORCHELASTIC_", "TORCH_ELASTIC_"))}
+
+
 def _worker_entry(fn: Callable, backend: str | None, timeout_s: float | None,
-                  threads: int, args: tuple):
+                  threads: int, args: tuple, environ: dict | None = None):
+    os.environ.update(environ or {})
     torch.set_num_threads(threads)
     keep_freed_memory()
     try:
@@ -167,7 +186,8 @@ def launch(fn: Callable, nproc: int, args: tuple = (), *, backend: str | None = 
     quiet_ctx = _quiet_elastic() if quiet else contextlib.nullcontext()
     with quiet_ctx, _restore_signal_handlers():
         try:
-            return elastic_launch(config, _worker_entry)(fn, backend, timeout_s, threads, args)
+            return elastic_launch(config, _worker_entry)(fn, backend, timeout_s, threads, args,
+                                                         _caller_environment())
         except ChildFailedError as err:
             raise describe_failures(err) from None
 

@@ -3,14 +3,17 @@
 ZeRO (arXiv 1910.02054, section 7) counts volume: a reduce-scatter and an
 all-gather each move about Psi, half of an all-reduce's 2 Psi. Wall-clock cost
 depends on how the backend implements them. Measured on this project's machine
-(2 CPU cores, gloo over loopback, torch 2.13, 2 ranks, best of 3 alternating
-medians of 7; ``benchmarks/collectives.py 1 4.2 8 33.6``):
+(2 CPU cores, gloo over loopback, torch 2.13; ms, best of 3 alternating medians of
+7; ``benchmarks/collectives.py``, and ``--world 3`` / ``--world 4``):
 
-    MB   all_reduce  reduce_scatter  pairwise RS   all_gather  pairwise AG  (ms)
-     1       1.0          1.1           0.35          0.47         0.34
-   4.2       2.8          4.3-4.9       1.2-1.3       1.7-3.6      1.2-1.5
-     8       4.4-5.3      7.9-11.0      2.7-3.6       4.4-5.7      2.5-3.6
-  33.6      19.3         40.7          11.1          34.2         11.3
+    ranks  MB   all_reduce  gloo RS  pairwise RS   gloo AG  all_reduce AG  pairwise AG
+      2     1      0.79       1.59      0.35         0.69       1.00          0.33
+      2   4.2      2.63       4.71      1.77         2.37       4.00          1.57
+      2     8      5.85       7.59      5.25         5.71       7.35          2.73
+      2  33.6     19.18      29.64     16.11        43.33      26.92         15.93
+      3     8      7.69      13.25      5.76         8.08      10.95          4.71
+      4     8     12.36      14.81      5.61         9.81      13.88          6.00
+      4  33.6     44.03      67.57     29.88        60.29      50.21         23.32
 
 gloo's reduce-scatter costs more than an all-reduce of the same tensor, and its
 all-gather is no better than an all-reduce above a few MB. Posting the data
