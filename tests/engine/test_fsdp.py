@@ -102,7 +102,7 @@ def _jobs(world):
     if world == 2:
         # world 2 without prefetch, world 3 with it: both gather schedules are exact
         return [(_both, (Net, {Block}, SCHED[2], None, "native", 0)), (_count, ()),
-                (_bf16, (20,))]
+                (_bf16, (20,)), (_forward_without_backward, ())]
     return [(_both, (Net, {Block}, SCHED[3], None, "auto")),
             (_both, (Tied, {nn.Linear}, SCHED[3], None, "all_reduce")),
             (_both, (Tiny, None, SCHED[3], 0.05))]
@@ -190,3 +190,28 @@ def test_bf16_memory_matches_formula_and_stays_close_to_fp32():
     with torch.no_grad():
         loss_bf, loss_ref = mse(bf(x), y).item(), mse(ref_model(x), y).item()
     assert abs(loss_bf - loss_ref) <= 0.01 * loss_ref, (loss_bf, loss_ref)
+
+
+def _forward_without_backward():
+    x, _ = dataset()
+    model = gs.FullyShardedDataParallel(Net(), wrap={Block})
+    model(x[:4])  # with grad and no backward: the root and the last block stay gathered
+    kept = [u.kept for u in model.units]
+    with torch.no_grad():
+        for shard in model.parameters():  # e.g. an optimizer step or a loaded checkpoint
+            shard.mul_(0.5)
+    ref = Net()
+    ref.load_state_dict(model.full_state_dict())
+    with torch.no_grad():
+        out = model(x[:4])
+    gathered = [u.full.untyped_storage().nbytes() for u in model.units]
+    return kept, torch.equal(out, ref(x[:4])), gathered
+
+
+def test_units_kept_for_backward_are_refreshed_by_the_next_forward():
+    """The root and the last unit stay gathered from forward into backward; a forward
+    that no backward followed must not leave stale parameters behind."""
+    kept, same, gathered = _results(2, 3)[0]
+    assert kept == [True, False, True]  # root, first block, last block
+    assert same  # the next forward used the changed shards
+    assert gathered == [0, 0, 0]  # an eval forward keeps nothing gathered
