@@ -279,3 +279,25 @@ def test_buckets_launch_during_backward_and_grads_are_bucket_views():
     ready = timeline.index("input layer ready")
     launched_before = [t for t in timeline[:ready] if t.startswith("bucket")]
     assert len(launched_before) >= 2, timeline  # communication started mid-backward
+
+
+def _mixed_across_ranks_in_a_later_window(wrapper):
+    x, y = dataset()
+    model = (gs.DataParallel(Shuffled()) if wrapper == "dp"
+             else gs.FullyShardedDataParallel(Shuffled()))
+    mse(model(x[:4]), y[:4]).backward()  # a whole window of plain backwards: fine
+    try:
+        if gs.rank() == 0:  # the next window: plain here, num_items on the other rank
+            mse(model(x[4:8]), y[4:8]).backward()
+        else:
+            model.backward(mse(model(x[4:8]), y[4:8]), num_items=4)
+    except gs.UsageError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("wrapper", ["dp", "fsdp"])
+def test_mixing_is_caught_in_every_window_not_just_the_first(wrapper):
+    """A plain pass must be counted in each window (each pass), on every rank."""
+    messages = gs.spawn(_mixed_across_ranks_in_a_later_window, 2, wrapper)
+    assert all(m and "mixed" in m for m in messages), messages

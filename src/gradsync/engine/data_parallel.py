@@ -37,11 +37,8 @@ from . import comm, tracing
 from .autotune import AutotuneResult, BucketAutotuner
 from .bucketing import BucketSpec, ParamSpec, mb_to_bytes, plan_buckets
 from .buckets import Bucket
+from .item_window import HEADER_SLOTS, ItemWindow
 from .replicas import broadcast_module_state, broadcast_tensors, comm_device, verify_same_structure
-
-_HEADER_SLOTS = 4  # items (high, low base-4096 digits), num_items passes, plain passes
-_DIGIT = 4096
-_MAX_ITEMS = 2**36
 
 
 def _tensors_in(obj):
@@ -146,14 +143,11 @@ class DataParallel(nn.Module):
         self._forward_sync: bool | None = None
         self._in_backward = False
         self._syncing = False
-        self._pass_accounted = False
-        self._win_items = 0.0
-        self._win_item_passes = 0
-        self._win_plain_passes = 0
+        self._window = ItemWindow(self.world_size, self.rank)
         self._ready: list[bool] = [False] * len(self._params)
         self._next_bucket = 0
         self._meta: comm.Pending | None = None
-        self._meta_tensor = torch.zeros(_HEADER_SLOTS, dtype=torch.float64,
+        self._meta_tensor = torch.zeros(HEADER_SLOTS, dtype=torch.float64,
                                         device=self._comm_device)
         self._order_log: list[int] | None = None
         self._ready_order: list[int] | None = None
@@ -171,7 +165,7 @@ class DataParallel(nn.Module):
     # ------------------------------------------------------------------ layout
     def _install_buckets(self, specs: list[BucketSpec]) -> None:
         # The window's item count rides at the end of the first bucket's buffer when
-        # its dtype carries whole numbers exactly (see _write_header); ZeRO strategies
+        # its dtype carries whole numbers exactly (see ItemWindow.write); ZeRO strategies
         # shard bucket buffers, so they keep the separate header collective.
         self._piggyback = (self._reduction is None and bool(specs)
                            and specs[0].dtype in ("float32", "float64"))
@@ -180,7 +174,7 @@ class DataParallel(nn.Module):
         if self._piggyback:
             first = specs[0]
             self._buckets[0] = Bucket(first, [self._params[i] for i in first.params],
-                                      first.numel + _HEADER_SLOTS)
+                                      first.numel + HEADER_SLOTS)
         self._where: list[tuple[Bucket, int]] = [None] * len(self._params)  # type: ignore[list-item]
         for b in self._buckets:
             for slot, i in enumerate(b.spec.params):
@@ -283,18 +277,13 @@ class DataParallel(nn.Module):
         if self._in_backward:
             raise UsageError("backward() called while another backward through this model "
                              "is running")
-        self._win_items += n
-        self._win_item_passes += 1
-        self._pass_accounted = True
-        try:
+        if n and loss is None:
+            raise UsageError(f"backward() got num_items={num_items} but no loss")
+        with self._window.item_pass(n):
             if n == 0:
                 torch.autograd.backward(self._params, [torch.zeros_like(p) for p in self._params])
             else:
-                if loss is None:
-                    raise UsageError(f"backward() got num_items={num_items} but no loss")
                 (loss * n).backward(**backward_kwargs)
-        finally:
-            self._pass_accounted = False
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -319,9 +308,7 @@ class DataParallel(nn.Module):
             self._reduction.prepare()
         self._trace_t0 = tracing.now() if tracing.ACTIVE is not None else None
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if not self._pass_accounted:
-            self._win_plain_passes += 1
-            self._pass_accounted = True
+        self._window.pass_started()
         sync = self._forward_sync if self._forward_sync is not None else self._require_sync
         self._syncing = sync
         if not sync:
@@ -330,31 +317,11 @@ class DataParallel(nn.Module):
         self._next_bucket = 0
         self._pass_t0 = time.perf_counter()
         if not self._piggyback:
-            self._write_header(self._meta_tensor)
+            self._window.write(self._meta_tensor)
             self._meta = comm.all_reduce(self._meta_tensor, self.group, async_op=True,
                                          tag="header")
         if not self._rebuilt:
             self._order_log = []
-
-    def _write_header(self, slots: torch.Tensor) -> None:
-        """The window's counts as whole numbers that survive a float32 sum exactly.
-
-        Items split into base-4096 digits: every digit summed over up to 4096 ranks
-        stays below 2**24, float32's exact-integer range, and the high digit covers
-        up to 2**36 items per window.
-        """
-        items = int(self._win_items)
-        if items >= _MAX_ITEMS // self.world_size:
-            raise UsageError(f"{items} items in one accumulation window on rank {self.rank}; "
-                             f"the exact count supports fewer than {_MAX_ITEMS // self.world_size}")
-        values = (float(items // _DIGIT), float(items % _DIGIT),
-                  float(self._win_item_passes), float(self._win_plain_passes))
-        slots.copy_(torch.tensor(values, dtype=torch.float64))
-
-    @staticmethod
-    def _read_header(slots: torch.Tensor) -> tuple[float, float, float]:
-        hi, lo, item_passes, plain_passes = slots.tolist()
-        return hi * _DIGIT + lo, item_passes, plain_passes
 
     def _make_hook(self, i: int):
         def hook(param):
@@ -384,7 +351,7 @@ class DataParallel(nn.Module):
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
             b = buckets[self._next_bucket]
             if self._piggyback and self._next_bucket == 0:
-                self._write_header(b.buffer[-_HEADER_SLOTS:])
+                self._window.write(b.buffer[-HEADER_SLOTS:])
             if self._reduction is not None:
                 b.handle = self._reduction.launch(b)
             else:
@@ -403,6 +370,7 @@ class DataParallel(nn.Module):
             self._in_backward = False
             self._syncing = False
             self._forward_sync = None
+            self._window.pass_ended()
             for b in self._buckets:
                 b.reset()
             if self._trace_t0 is not None and tracing.ACTIVE is not None:
@@ -425,35 +393,21 @@ class DataParallel(nn.Module):
             self._meta.wait()
         for b in self._buckets:
             b.handle.wait()
-        items, item_passes, plain_passes = self._read_header(
-            self._buckets[0].buffer[-_HEADER_SLOTS:] if self._piggyback else self._meta_tensor)
+        summed = self._buckets[0].buffer[-HEADER_SLOTS:] if self._piggyback else self._meta_tensor
         if t_wait is not None and tracing.ACTIVE is not None:  # end of backward blocked on comm
             tracing.ACTIVE.record("sync wait", "wait", t_wait, tracing.now(),
                                   buckets=len(self._buckets))
         self._meta = None
-        window = (self._win_items, self._win_item_passes, self._win_plain_passes)
-        self._win_items, self._win_item_passes, self._win_plain_passes = 0.0, 0, 0
         if missing and not self.find_unused_parameters:
             self._order_log = None
+            self._window.reset()
             names = ", ".join(repr(self._names[i]) for i in missing)
             raise UnusedParametersError(
                 f"rank {self.rank}: {len(missing)} parameter(s) received no gradient in this "
                 f"synchronised backward: {names}. Make every parameter take part in the loss, "
                 "freeze them (requires_grad=False), or pass find_unused_parameters=True to "
                 "treat them as zero gradients")
-        if item_passes and plain_passes:
-            raise UsageError(
-                f"this accumulation window mixed backward(loss, num_items=n) ({int(item_passes)} "
-                f"passes over all ranks) with plain loss.backward() ({int(plain_passes)} passes); "
-                f"use one or the other on every rank and micro-step (rank {self.rank} had "
-                f"{window[1]} and {window[2]})")
-        if item_passes:
-            if items <= 0:
-                raise UsageError("the global batch holds no items (num_items summed to 0 over all "
-                                 "ranks and micro-steps); the mean loss is undefined")
-            divisor = items
-        else:
-            divisor = float(self.world_size)
+        divisor = self._window.close(summed)
         if self._reduction is not None:
             self._reduction.finish(divisor)
         else:

@@ -43,6 +43,7 @@ from . import comm
 from .data_parallel import _as_count, _tensors_in
 from .fsdp_units import FlatUnit as _Unit
 from .fsdp_units import build_units, slot_names
+from .item_window import HEADER_SLOTS, ItemWindow
 from .precision import MixedPrecision, cast_inputs_hook
 from .replicas import broadcast_module_state, comm_device, verify_same_structure
 from .shard_comm import ShardComm
@@ -98,8 +99,8 @@ class FullyShardedDataParallel(nn.Module):
         # unit, whose backward comes first -- a free and a gather saved each
         self._keep_for_backward = set(map(id, root + rest[-1:]))
         self._require_sync, self._forward_sync = True, None
-        self._in_backward = self._syncing = self._accounted = False
-        self._win = [0.0, 0, 0]  # items, item passes, plain passes
+        self._in_backward = self._syncing = False
+        self._window = ItemWindow(self.world, self.rank)
         self._header = None
         self._next_reduce = 0
         self._inflight: list[_Unit] = []
@@ -232,18 +233,13 @@ class FullyShardedDataParallel(nn.Module):
             loss.backward(**kwargs)
             return
         n = _as_count(num_items)
-        self._win[0] += n
-        self._win[1] += 1
-        self._accounted = True
-        try:
+        if n and loss is None:
+            raise UsageError(f"backward() got num_items={num_items} but no loss")
+        with self._window.item_pass(n):
             if n == 0:
                 self._empty_pass()
             else:
-                if loss is None:
-                    raise UsageError(f"backward() got num_items={num_items} but no loss")
                 (loss * n).backward(**kwargs)
-        finally:
-            self._accounted = False
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -277,9 +273,7 @@ class FullyShardedDataParallel(nn.Module):
         self._in_backward = True
         if queue:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if not self._accounted:
-            self._win[2] += 1
-            self._accounted = True
+        self._window.pass_started()
         sync = self._forward_sync if self._forward_sync is not None else self._require_sync
         self._syncing = sync
         if self._units and self._units[0].module is self.module:
@@ -290,7 +284,8 @@ class FullyShardedDataParallel(nn.Module):
             self._next_reduce, self._inflight, self._div = 0, [], None
             for u in self._units:
                 u.grad_seen = False
-            self._header = torch.tensor(self._win, dtype=torch.float64, device=self._dev)
+            self._header = torch.zeros(HEADER_SLOTS, dtype=torch.float64, device=self._dev)
+            self._window.write(self._header)
             self._header_pending = comm.all_reduce(self._header, self._grad_group,
                                                    async_op=True, tag="header")
 
@@ -301,6 +296,7 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             self._in_backward = self._syncing = False
             self._forward_sync = None
+            self._window.pass_ended()
             for u in self._units:
                 u.bw_gathered = False
 
@@ -316,14 +312,7 @@ class FullyShardedDataParallel(nn.Module):
         """The global item count (waits for the header, launched as backward started)."""
         if self._div is None:
             self._header_pending.wait()
-            items, item_passes, plain_passes = self._header.tolist()
-            self._win = [0.0, 0, 0]
-            if item_passes and plain_passes:
-                raise UsageError("this accumulation window mixed backward(loss, num_items=n) "
-                                 "with plain loss.backward(); use one or the other everywhere")
-            if item_passes and items <= 0:
-                raise UsageError("the global batch holds no items (num_items summed to 0)")
-            self._div = items if item_passes else float(self.world)
+            self._div = self._window.close(self._header)
         return self._div
 
     def _finalize(self, u: _Unit) -> None:
