@@ -1,44 +1,50 @@
-"""Workers keep freed heap memory: a stage-3 step stops re-faulting the model's pages.
+"""Workers keep freed heap memory: a freed multi-MB block is reused, not re-faulted.
 
 Stage 3 frees and re-allocates every unit's gathered parameters and gradient each
-step; with glibc's defaults those multi-MB blocks go back to the kernel and come
-back as fresh zero-filled pages (thousands of page faults per step, about one per
-4 KiB of model). ``gradsync.heap.keep_freed_memory`` is applied by the launcher.
+step. With glibc's defaults such blocks are ``mmap``-ed and returned to the kernel
+on ``free``, so each re-allocation comes back as fresh zero-filled pages
+(docs/zero.md: thousands of page faults per stage-3 step, about 9% of its time).
+``gradsync.heap.keep_freed_memory`` is applied by the launcher to every worker.
+Checked here with glibc's own ``malloc``, so the test measures the allocator
+setting alone (how many of torch's allocations hit the pattern depends on
+allocation order; the step-level effect is a benchmark figure, not a test).
 """
 
+import ctypes
+
 import pytest
-import torch
-from torch import nn
 
 import gradsync as gs
 
-WIDTH, DEPTH = 1024, 8  # 4 MiB per unit, as in benchmarks/zero_vs_torch.py
+MIB = 30  # below the raised mmap threshold (32 MiB), far above glibc's default (128 KiB)
 
 
-def _faults_per_step():
+def _refaulted_pages() -> int:
+    """Minor page faults when a freed block of MIB is allocated and touched again."""
     import resource
 
-    torch.manual_seed(0)
-    module = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
-    model = gs.FullyShardedDataParallel(module, wrap={nn.Linear})
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(64, WIDTH)
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    size = MIB * 2**20
     faults = []
-    for _ in range(6):
+    for _ in range(2):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        model.backward(model(x).square().mean(), num_items=64)
-        opt.step()
-        opt.zero_grad()
+        block = libc.malloc(size)
+        libc.memset(block, 1, size)
+        libc.free(block)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    return min(faults[2:])  # steady state
+    return faults[1]
 
 
 @pytest.mark.parametrize("setting", ["1", "0"])
-def test_stage3_steady_state_page_faults(setting, monkeypatch):
+def test_workers_reuse_freed_blocks_unless_turned_off(setting, monkeypatch):
     monkeypatch.setenv("GRADSYNC_KEEP_FREED_MEMORY", setting)
-    faults = gs.spawn(_faults_per_step, 2)
-    model_pages = DEPTH * WIDTH * (WIDTH + 1) * 4 // 4096
+    faults = gs.spawn(_refaulted_pages, 2)
+    pages = MIB * 2**20 // 4096
     if setting == "1":
-        assert max(faults) < model_pages // 20, (faults, model_pages)
-    else:  # glibc's defaults: the unit buffers come back as fresh pages
-        assert min(faults) > model_pages // 4, (faults, model_pages)
+        assert max(faults) < pages // 100, (faults, pages)  # the block stayed in the heap
+    else:  # glibc's defaults: munmap on free, fresh pages on the next malloc
+        assert min(faults) > pages // 2, (faults, pages)
