@@ -7,13 +7,15 @@ blocks that large to ``mmap`` or trims them from the heap on ``free``, so every
 re-allocation touches fresh pages, and the kernel zero-fills each 4 KiB page on
 first touch. Measured on this project's machine (2 ranks, gloo, 8 x Linear(1024)
 under ``FullyShardedDataParallel``): about 8,000 page faults per step, i.e. the
-whole model re-faulted each step; with the settings below, 2-5.
+whole model re-faulted each step (median of 10 steps); with the settings below, a
+median of 2-5 (a step that still grows the heap now and then faults more).
 
 Raising ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` keeps freed blocks in the heap,
 so the next allocation of a similar size reuses warm pages: a stage-3 step went
 from 118-128 ms to 131-140 ms without it (4 alternating pairs, same machine). The
-resident size no longer shrinks between steps; the peak barely moves (300 steps of
-that model: peak RSS 412 MiB per rank with it, 418 MiB without). PyTorch's CPU
+resident size no longer shrinks between steps; over a long run the peak barely
+moves (300 steps of that model: peak RSS 412 MiB per rank with it, 418 without),
+though over a short one fragmentation can leave it higher (8 steps: 30-40 MiB). PyTorch's CPU
 tuning guide makes the same point by recommending jemalloc or tcmalloc.
 gradsync's launcher (``gradsync.spawn``, ``gradsync train``, ``python -m
 gradsync.train``) applies this to every worker it starts;
