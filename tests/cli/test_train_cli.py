@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -58,6 +59,8 @@ def test_sharded_strategies_resume_exactly(tmp_path, strategy):
     r = run_cli("train", *args, "--out", str(straight))
     assert r.returncode == 0, r.stderr
     assert f"memory ({strategy}" in r.stdout
+    held = dict(re.findall(r"^  (gradients|optimizer state) +([0-9.]+) MiB", r.stdout, re.M))
+    assert float(held["gradients"]) > 0 and float(held["optimizer state"]) > 0, r.stdout
     r = run_cli("train", *args, "--out", str(broken), env={"GRADSYNC_FAULT": "0:4:raise"})
     assert r.returncode == 1 and "injected fault" in r.stderr
     assert run_cli("train", *args, "--out", str(broken), "--resume").returncode == 0

@@ -149,6 +149,7 @@ def run_worker(cfg_dict: dict) -> dict | None:
             )
     display = RunDisplay(cfg.steps, start_step, unit) if rank == 0 else None
     loss = float("nan")
+    mem = None
     step_times: list[float] = []
     loop_started = time.perf_counter()
     with display if display else contextlib.nullcontext():
@@ -172,6 +173,8 @@ def run_worker(cfg_dict: dict) -> dict | None:
                     clip_grad_norm_(clip_target, cfg.clip)
                 opt.step()
                 sched.step()
+                if step + 1 == cfg.steps:  # the summary's report: the step at its fullest,
+                    mem = memory_report(dp, opt)  # gradients and optimizer state both held
                 opt.zero_grad(set_to_none=True)
             stats = inst.gather_stats(loss_sum, float(items))
             total_loss, total_items = float(stats[:, 0].sum()), float(stats[:, 1].sum())
@@ -201,7 +204,7 @@ def run_worker(cfg_dict: dict) -> dict | None:
     steady = sorted(step_times[min(3, len(step_times) - 1) :]) if step_times else [float("nan")]
     median_step = steady[len(steady) // 2]
     tuned = getattr(dp, "autotune_result", None)
-    mem = memory_report(dp, opt)
+    mem = mem or memory_report(dp, opt)
     summary = {
         "final_loss": loss,
         "steps": cfg.steps,
