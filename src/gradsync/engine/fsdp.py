@@ -58,7 +58,8 @@ class FullyShardedDataParallel(nn.Module):
         mixed_precision: a :class:`MixedPrecision`; gathered parameters and
             gradients are in ``param_dtype``, shards stay fp32.
         prefetch: how many units ahead to start gathering (0: none).
-        collectives: ``"auto"`` | ``"native"`` | ``"all_reduce"`` (see ``shard_comm``).
+        collectives: ``"auto"`` | ``"native"`` | ``"all_reduce"`` | ``"pairwise"``
+            (see ``shard_comm``; ``"auto"`` is ``"pairwise"`` on gloo, ``"native"`` on NCCL).
     """
 
     MAX_INFLIGHT = 4  # gradient reductions in flight before waiting for the oldest

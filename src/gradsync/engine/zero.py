@@ -111,7 +111,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         mixed_precision: a :class:`MixedPrecision`; the module's parameters are cast
             to ``param_dtype`` and the fp32 master lives in the shard.
         collectives: ``"auto"`` (per backend, measured; see ``shard_comm``),
-            ``"native"`` (reduce-scatter/all-gather) or ``"all_reduce"``.
+            ``"native"`` (reduce-scatter/all-gather), ``"all_reduce"`` or
+            ``"pairwise"`` (point-to-point exchanges; what ``"auto"`` picks on gloo).
         **optimizer_kwargs: passed to ``optimizer_class``.
     """
 
