@@ -163,8 +163,7 @@ class FullyShardedDataParallel(nn.Module):
         """Free what an earlier forward kept for a backward that never came."""
         for u in self._units:
             if u.kept:
-                u.kept = False
-                self._free(u)
+                self._free(u)  # clears u.kept
 
     def _pre_backward(self, u):
         self._start_pass()
