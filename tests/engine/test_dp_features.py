@@ -245,7 +245,7 @@ def test_mixing_num_items_and_plain_backward_is_an_error():
 
 @pytest.mark.parametrize("bad", [-1, float("nan"), "three", 2.5])
 def test_bad_num_items_rejected(bad):
-    from gradsync.engine.data_parallel import _as_count
+    from gradsync.engine.sync_core import as_count as _as_count
 
     with pytest.raises(gs.UsageError, match="num_items"):
         _as_count(bad)
@@ -265,7 +265,7 @@ def _overlap_and_views():
 
     with comm.add_observer(record):
         dp.backward(mse(dp(x[8:16]), y[8:16]), num_items=8)
-    buffers = [b.buffer for b in dp._buckets]
+    buffers = [b.buffer for b in dp.buckets]
     views = all(
         any(p.grad.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
             for buf in buffers)

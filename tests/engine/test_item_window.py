@@ -20,9 +20,9 @@ def test_item_counts_survive_a_float32_sum_exactly():
     a, b = ItemWindow(2, 0), ItemWindow(2, 1)
     big = 2**30 + 12345  # far beyond float32's 2**24 exact-integer range
     with a.item_pass(big):
-        a.pass_started()  # the backward's own hook: already counted
+        a.pass_joined()  # the backward's own hook: already counted
     with b.item_pass(7):
-        b.pass_started()
+        b.pass_joined()
     assert a.close(_summed(a, b)) == big + 7
 
 
@@ -30,8 +30,8 @@ def test_plain_passes_count_once_per_pass_and_every_window():
     w = ItemWindow(4, 0)
     for _window in range(3):
         for _pass in range(2):
-            w.pass_started()
-            w.pass_started()  # several hooks announce the same pass
+            w.pass_joined()
+            w.pass_joined()  # several hooks announce the same pass
             w.pass_ended()
         assert w.plain_passes == 2
         assert w.close(_summed(w)) == 4.0  # plain mean of means: divide by the world size
@@ -41,7 +41,7 @@ def test_mixed_window_and_empty_batch_raise_and_reset():
     w = ItemWindow(2, 1)
     with w.item_pass(3):
         pass
-    w.pass_started()
+    w.pass_joined()
     with pytest.raises(UsageError, match="mixed"):
         w.close(_summed(w))
     assert (w.items, w.item_passes, w.plain_passes) == (0, 0, 0)

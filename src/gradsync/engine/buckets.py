@@ -16,7 +16,7 @@ from .bucketing import BucketSpec
 class Bucket:
     """One bucket's buffer, the views into it and its per-iteration ready count."""
 
-    __slots__ = ("spec", "params", "buffer", "views", "pending", "handle", "launched")
+    __slots__ = ("spec", "params", "buffer", "views", "pending", "handle", "launched", "zeroed")
 
     def __init__(self, spec: BucketSpec, params: list[torch.nn.Parameter],
                  numel: int | None = None):
@@ -34,16 +34,21 @@ class Bucket:
         self.pending = len(params)
         self.handle = None
         self.launched = False
+        self.zeroed = True  # no gradient has been written since the buffer was zeroed
 
     def attach(self, keep_values: bool = True) -> None:
-        """Make every ``param.grad`` a view into this bucket.
+        """Make every existing ``param.grad`` a view into this bucket.
 
         Existing gradients are copied in (``keep_values``) so a rebuild or a
-        user who assigned ``.grad`` loses nothing; ``None`` becomes zeros.
+        user who assigned ``.grad`` loses nothing; a ``None`` gradient stays None
+        (as torch's ``zero_grad(set_to_none=False)`` leaves it) over zeros in the
+        buffer, and the hook adopts the first gradient autograd hands over.
         """
         grads = [p.grad for p in self.params]
         if all(g is None for g in grads) or not keep_values:  # after zero_grad(set_to_none)
             self.buffer.zero_()  # one fill instead of one per parameter
+            if keep_values:
+                return
             for p, view in zip(self.params, self.views):
                 p.grad = view
             return
@@ -54,7 +59,7 @@ class Bucket:
                 view.zero_()
             else:
                 view.copy_(g)
-            p.grad = view
+                p.grad = view
 
     def is_view(self, slot: int) -> bool:
         # Identity, not storage comparison: autograd accumulates in place, so the

@@ -1,55 +1,51 @@
 """FullyShardedDataParallel: ZeRO stage 3 (arXiv 1910.02054, section 5.3).
 
 Each wrapped unit's trainable parameters become one flat buffer padded to a
-multiple of N; this rank keeps only its 1/N slice, in the master dtype, as the one
-``nn.Parameter`` an optimizer sees (``model.parameters()`` are the shards). The
-module's own parameters are replaced by views into a gathered buffer that exists
-only while it is needed:
+multiple of N; this rank keeps only its 1/N slice, in the master dtype, which the
+optimizer steps piece by piece (``model.parameters()`` are one ``nn.Parameter``
+per parameter piece, so a parameter no rank used has no gradient and is not
+stepped, as in torch DDP). The module's own parameters are replaced by views into
+a gathered buffer that exists only while it is needed:
 
 * before the unit's forward its buffer is all-gathered (the next units' gathers are
   prefetched, ``prefetch`` ahead, in registration order) and freed afterwards --
   except the root and the last unit, whose backward follows at once: they stay
-  gathered into backward (a forward without a backward frees them at the next
-  forward);
+  gathered into backward (the next forward frees what a backward did not);
 * a hook on the unit's outputs re-gathers it just before its backward (storage is
   re-filled in place, so the tensors autograd saved see the values again, as in
   FSDP1);
 * when autograd has accumulated the unit's gradient, it is reduced to shards and
   the buffer is freed; the end of backward divides by the global item count.
 
-Exactness follows DataParallel's rules: ``backward(loss, num_items=n)`` scales to a
-local sum, a 24-byte header carries the window's item count, ``no_sync`` issues no
-gradient collective (parameters must still be gathered, they are sharded) and
-accumulates unsharded gradients locally. Gathers and gradient reductions run on
+Passes, windows, ``no_sync``, ``num_items``, buffers (broadcast from rank 0 exactly
+when torch DDP would, like DataParallel) and the DDP-compatibility rules are the
+synchronised-backward core's (``sync_core.py``). Under ``no_sync`` no gradient
+collective runs (parameters must still be gathered, they are sharded) and
+unsharded gradients accumulate locally. Gathers and gradient reductions run on
 two process groups, so each has one deterministic order on every rank (gathers in
 forward then backward unit order, reductions strictly in reverse registration
 order, root last) whatever order autograd happens to fire hooks in.
 
 A parameter shared by two units (tied weights) belongs to the root unit, which is
-gathered for the whole forward. A rank with ``num_items=0`` replays the same
-collective sequence, assuming units run in registration order.
+gathered for the whole forward. Every rank must run the same units in each forward
+(a rank with ``num_items=0`` replays them, assuming registration order).
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..errors import UsageError
-from . import comm
-from .data_parallel import _as_count, _tensors_in
-from .fsdp_units import FlatUnit as _Unit
-from .fsdp_units import build_units, slot_names
-from .item_window import HEADER_SLOTS, ItemWindow
+from .fsdp_units import FlatUnit, build_units, slot_names
 from .precision import MixedPrecision, cast_inputs_hook
 from .replicas import broadcast_module_state, comm_device, verify_same_structure
 from .shard_comm import ShardComm
+from .sync_core import Collected, SyncedModule, tensors_in
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(SyncedModule):
     """Shard parameters, gradients and optimizer state of ``module`` over ``group``.
 
     Args:
@@ -60,20 +56,20 @@ class FullyShardedDataParallel(nn.Module):
         prefetch: how many units ahead to start gathering (0: none).
         collectives: ``"auto"`` | ``"native"`` | ``"all_reduce"`` | ``"pairwise"``
             (see ``shard_comm``; ``"auto"`` is ``"pairwise"`` on gloo, ``"native"`` on NCCL).
+        find_unused_parameters, broadcast_buffers: as :class:`gradsync.DataParallel`.
     """
 
     MAX_INFLIGHT = 4  # gradient reductions in flight before waiting for the oldest
 
     def __init__(self, module: nn.Module, wrap=None, mixed_precision: MixedPrecision | None = None,
-                 prefetch: int = 1, group=None, collectives: str = "auto"):
-        super().__init__()
-        if not dist.is_initialized():
-            raise UsageError("FullyShardedDataParallel needs an initialised process group")
+                 prefetch: int = 1, group=None, collectives: str = "auto",
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True):
+        super().__init__(module, group, find_unused_parameters, broadcast_buffers,
+                         "FullyShardedDataParallel")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise UsageError(f"prefetch must be an integer >= 0, got {prefetch!r}")
-        self.module, self.group, self.mixed_precision = module, group, mixed_precision
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.prefetch = prefetch
+        self.mixed_precision, self.prefetch = mixed_precision, prefetch
+        self.world, self.rank = self.world_size, self.rank
         self.comm = ShardComm.for_group(group, collectives)
         self._grad_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
         self._dev = comm_device(group)
@@ -82,7 +78,9 @@ class FullyShardedDataParallel(nn.Module):
         self._keys = list(module.state_dict().keys())
         self._units = build_units(module, wrap, self.world, self.rank,
                                   mixed_precision.param_dtype if mixed_precision else None)
-        self.shards = nn.ParameterList([u.shard for u in self._units])
+        self.shards = nn.ParameterList([t for u in self._units for t in u.view.tensors])
+        self._slots = [(u, k) for u in self._units for k in range(len(u.shapes))]
+        self._names = [n for u in self._units for n in _first_names(module, u)]
         self._hooks = []
         for u in self._units:
             if u.module is not module:
@@ -94,29 +92,25 @@ class FullyShardedDataParallel(nn.Module):
                 cast_inputs_hook(mixed_precision.param_dtype), with_kwargs=True))
         root = [u for u in self._units if u.module is module]
         rest = [u for u in self._units if u.module is not module]
+        self._root = root[0] if root else None
         self._reduce_order = rest[::-1] + root
         # kept gathered from forward into backward (FSDP2 keeps the root; DeepSpeed's
         # reuse distance keeps what is needed again at once): the root, and the last
         # unit, whose backward comes first -- a free and a gather saved each
         self._keep_for_backward = set(map(id, root + rest[-1:]))
-        self._require_sync, self._forward_sync = True, None
-        self._in_backward = self._syncing = False
-        self._window = ItemWindow(self.world, self.rank)
-        self._header = None
         self._next_reduce = 0
-        self._inflight: list[_Unit] = []
-        self._div: float | None = None
+        self._inflight: list[FlatUnit] = []
 
     # ------------------------------------------------------------------ gather / free
-    def _launch_gather(self, u: _Unit) -> None:
+    def _launch_gather(self, u: FlatUnit) -> None:
         if u.gather_pending is not None or u.full.untyped_storage().nbytes():
             return
         full = u.full.data
         full.untyped_storage().resize_(full.numel() * full.element_size())
-        u.gather_pending = self.comm.gather(full, u.shard.detach(), self.rank, self.group,
+        u.gather_pending = self.comm.gather(full, u.shard, self.rank, self.group,
                                             tag=f"unit{u.index}")
 
-    def _gather(self, u: _Unit, grad: bool) -> None:
+    def _gather(self, u: FlatUnit, grad: bool) -> None:
         self._launch_gather(u)
         if u.gather_pending is not None:
             u.gather_pending.wait()
@@ -125,18 +119,24 @@ class FullyShardedDataParallel(nn.Module):
         for mod, attr, k in u.slots:
             setattr(mod, attr, views[k])
 
-    def _free(self, u: _Unit) -> None:
+    def _free(self, u: FlatUnit) -> None:
         u.kept = False
         u.full.untyped_storage().resize_(0)
 
-    def _prefetch_after(self, u: _Unit, backward: bool) -> None:
+    def _prefetch_after(self, u: FlatUnit, backward: bool) -> None:
         seq = self._units[::-1] if backward else self._units
         pos = seq.index(u)
         for nxt in seq[pos + 1:pos + 1 + self.prefetch]:
             if nxt.module is not self.module:
                 self._launch_gather(nxt)
 
-    # ------------------------------------------------------------------ hooks
+    def _release_gathered(self) -> None:
+        """Before a forward: free what an earlier forward or pass left gathered."""
+        for u in self._units:
+            if u.full.untyped_storage().nbytes() and u.gather_pending is None:
+                self._free(u)
+
+    # ------------------------------------------------------------------ unit hooks
     def _make_pre(self, u):
         def pre(_module, _args):
             self._gather(u, torch.is_grad_enabled())
@@ -151,19 +151,13 @@ class FullyShardedDataParallel(nn.Module):
     def _after_forward(self, u, out):
         if torch.is_grad_enabled():
             u.bw_gathered = False
-            for t in _tensors_in(out):
+            for t in tensors_in(out):
                 if t.requires_grad:
                     t.register_hook(lambda g, u=u: self._pre_backward(u))
             if id(u) in self._keep_for_backward:
                 u.kept = True
                 return
         self._free(u)
-
-    def _release_kept(self):
-        """Free what an earlier forward kept for a backward that never came."""
-        for u in self._units:
-            if u.kept:
-                self._free(u)  # clears u.kept
 
     def _pre_backward(self, u):
         self._start_pass()
@@ -174,6 +168,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _make_grad_hook(self, u):
         def hook(full):
+            self._join()
             g = full.grad
             full.grad = None
             self._free(u)
@@ -198,143 +193,121 @@ class FullyShardedDataParallel(nn.Module):
             u = order[self._next_reduce]
             pending, part = self.comm.reduce(u.ready, self.rank, self.world, self._grad_group,
                                              tag=f"grad{u.index}")
-            u.reduced, u.ready = (pending, part, u.ready), None
+            u.reduced, u.ready = (pending, part), None
             self._next_reduce += 1
             self._inflight.append(u)
             while self._inflight and (len(self._inflight) > self.MAX_INFLIGHT
                                       or self._inflight[0].reduced[0].done()):
                 self._finalize(self._inflight.pop(0))
 
-    # ------------------------------------------------------------------ passes
-    def forward(self, *args, **kwargs):
+    def _finalize(self, u: FlatUnit) -> None:
+        """Keep ``u``'s reduced slice (divided at the end) and drop the unsharded gradient,
+        so few unsharded gradients are alive at once (ZeRO-3's gradient memory)."""
+        pending, part = u.reduced
+        pending.wait()
+        u.part, u.reduced = part.clone(), None
+
+    # ------------------------------------------------------------------ core hooks
+    def _run_forward(self, args, kwargs):
         grad = torch.is_grad_enabled()
-        if not self._in_backward:
-            self._release_kept()
-        if grad and not self._in_backward:
-            self._forward_sync = self._require_sync
-        root = self._units[0] if self._units and self._units[0].module is self.module else None
-        if root is not None:
-            self._gather(root, grad)
-            self._prefetch_after(root, backward=False)
+        if not self._in_pass:
+            self._release_gathered()
+        if self._root is not None:
+            self._gather(self._root, grad)
+            self._prefetch_after(self._root, backward=False)
         out = self.module(*args, **kwargs)
-        if grad:
-            for t in _tensors_in(out):
-                if t.requires_grad:
-                    t.register_hook(lambda g: self._start_pass())
-        if root is not None:
-            self._after_forward(root, out)
+        if self._root is not None:
+            self._after_forward(self._root, out)
         return out
 
-    def backward(self, loss=None, num_items=None, **kwargs) -> None:
-        """As :meth:`gradsync.DataParallel.backward` (exact global mean with ``num_items``)."""
-        if num_items is None:
-            if loss is None:
-                raise UsageError("backward() needs a loss (or num_items=0)")
-            loss.backward(**kwargs)
-            return
-        n = _as_count(num_items)
-        if n and loss is None:
-            raise UsageError(f"backward() got num_items={num_items} but no loss")
-        with self._window.item_pass(n):
-            if n == 0:
-                self._empty_pass()
-            else:
-                (loss * n).backward(**kwargs)
+    def _param_names(self) -> list[str]:
+        return self._names
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate unsharded gradients locally; no gradient collective until the synced step."""
-        previous, self._require_sync = self._require_sync, False
-        try:
-            yield
-        finally:
-            self._require_sync = previous
+    def _trainable(self) -> list[bool]:
+        return [True] * len(self._slots)
 
-    def _empty_pass(self):
-        """A rank without data issues the same collectives with zero gradients."""
-        self._forward_sync = self._require_sync
-        self._release_kept()
-        for u in self._units:  # the same gathers as a forward, keeping the same units
-            self._gather(u, False)
-            if id(u) not in self._keep_for_backward:
-                self._free(u)
-        self._start_pass(queue=False)
-        root = [u for u in self._units if u.module is self.module]
-        rest = [u for u in self._units if u.module is not self.module]
-        for u in root + rest[::-1]:
-            self._gather(u, False)
-            self._free(u)
-            self._accept(u, torch.zeros_like(u.full.data, dtype=u.full.dtype))
-        self._end_of_backward()
-
-    def _start_pass(self, queue: bool = True):
-        if self._in_backward:
-            return
-        self._in_backward = True
-        if queue:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._window.pass_started()
-        sync = self._forward_sync if self._forward_sync is not None else self._require_sync
-        self._syncing = sync
-        if self._units and self._units[0].module is self.module:
+    def _pass_started(self) -> None:
+        if self._root is not None:
             # the root is re-gathered first, whichever output hook autograd fires first,
-            # so the gather sequence is the same on every rank (and in _empty_pass)
-            self._launch_gather(self._units[0])
-        if sync:
-            self._next_reduce, self._inflight, self._div = 0, [], None
-            for u in self._units:
-                u.grad_seen = False
-            self._header = torch.zeros(HEADER_SLOTS, dtype=torch.float64, device=self._dev)
-            self._window.write(self._header)
-            self._header_pending = comm.all_reduce(self._header, self._grad_group,
-                                                   async_op=True, tag="header")
+            # so the gather sequence is the same on every rank (and in _replay_empty)
+            self._launch_gather(self._root)
 
-    def _end_of_backward(self):
-        try:
-            if self._syncing:
-                self._finish_sync()
-        finally:
-            self._in_backward = self._syncing = False
-            self._forward_sync = None
-            self._window.pass_ended()
-            for u in self._units:
-                u.bw_gathered = False
+    def _pass_over(self) -> None:
+        for u in self._units:
+            u.bw_gathered = False
+            u.joined = [False] * len(u.joined)
 
-    def _finish_sync(self):
-        for u in self._reduce_order:  # unused in this backward: a zero contribution
+    def _set_aside(self) -> None:
+        for u in self._units:
+            has = [u.grad is not None and any(t.grad is not None for t, s in
+                                              zip(u.view.tensors, u.view.segments) if s.param == k)
+                   for k in range(len(u.shapes))]
+            u.aside = (u.grad, has) if u.grad is not None and any(has) else None
+            u.grad = None
+
+    def _take_back(self) -> None:
+        for u in self._units:
+            if u.aside is not None:
+                u.grad, u.aside = u.aside[0], None
+
+    def _sync_open(self) -> None:
+        self._next_reduce, self._inflight = 0, []
+        for u in self._units:
+            u.grad_seen = False
+        self._launch_header(self._grad_group)
+
+    def _sync_collect(self) -> Collected:
+        for u in self._reduce_order:  # not reached in this backward: a zero contribution
             if not u.grad_seen:
                 self._free(u)
                 self._accept(u, torch.zeros(u.layout.padded, dtype=u.full.dtype))
         while self._inflight:
             self._finalize(self._inflight.pop(0))
+        missing = [i for i, (u, k) in enumerate(self._slots) if not u.joined[k]]
+        used = (self._sum_used([u.used[k] for u, k in self._slots], self._grad_group)
+                if self.find_unused_parameters else None)
+        return Collected(self._summed_header(), used, missing)
 
-    def _divisor(self) -> float:
-        """The global item count (waits for the header, launched as backward started)."""
-        if self._div is None:
-            self._header_pending.wait()
-            self._div = self._window.close(self._header)
-        return self._div
+    def _sync_complete(self, divisor: float, used: list[bool]) -> None:
+        flags = iter(used)
+        for u in self._units:
+            grad = u.part.div_(divisor)
+            u.part = None
+            if grad.dtype != u.shard.dtype:
+                grad = grad.to(u.shard.dtype)
+            has = [next(flags) for _ in u.shapes]
+            if u.aside is not None:
+                grad.add_(u.aside[0])
+                has = [a or b for a, b in zip(has, u.aside[1])]
+            u.grad, u.has_grad, u.aside = grad, has, None
+            u.used = [False] * len(has)
+            u.view.assign_grads(grad, has)
 
-    def _finalize(self, u: _Unit) -> None:
-        """Wait for ``u``'s reduction, keep the divided slice, drop the unsharded gradient.
+    def _sync_reset(self) -> None:
+        for u in self._units:
+            u.part = u.reduced = u.ready = None
+            u.used = [False] * len(u.used)
 
-        Done when the reduction has completed (checked without blocking as later
-        units launch) or when more than ``MAX_INFLIGHT`` are pending, so few unsharded
-        gradients are alive at once (ZeRO-3's gradient memory) and backward rarely waits.
-        """
-        pending, part, _src = u.reduced
-        pending.wait()
-        div = self._divisor()
-        if u.shard.grad is None:  # one pass: divide into a fresh tensor of the shard's dtype
-            u.shard.grad = torch.empty_like(u.shard)
-            torch.div(part, div, out=u.shard.grad)
-        else:
-            u.shard.grad.add_(part.div_(div))
-        u.reduced = None
+    def _replay_empty(self, forward_ran: bool) -> None:
+        """The same collectives as a forward (unless one ran) and a backward, with zeros."""
+        if not forward_ran:
+            self._release_gathered()
+            for u in self._units:  # the same gathers as a forward, keeping the same units
+                self._gather(u, False)
+                if id(u) not in self._keep_for_backward:
+                    self._free(u)
+        root = [u for u in self._units if u.module is self.module]
+        rest = [u for u in self._units if u.module is not self.module]
+        for u in root + rest[::-1]:
+            self._gather(u, False)
+            self._free(u)
+            u.joined = [True] * len(u.joined)
+            self._accept(u, torch.zeros_like(u.full.data, dtype=u.full.dtype))
 
     # ------------------------------------------------------------------ state
     def grad_shards(self):
-        return [u.shard.grad for u in self._units]
+        """This rank's slice of each unit's synchronised gradient (None before a sync)."""
+        return [u.grad for u in self._units]
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:
@@ -342,11 +315,9 @@ class FullyShardedDataParallel(nn.Module):
         out = dict(self.module.state_dict())
         for u in self._units:
             full = torch.empty(u.layout.padded, dtype=u.shard.dtype)
-            self.comm.gather(full, u.shard.detach(), self.rank, self.group,
-                             tag=f"state{u.index}").wait()
+            self.comm.gather(full, u.shard, self.rank, self.group, tag=f"state{u.index}").wait()
             pieces = full[:u.layout.numel].split(list(u.layout.numels))
-            names = self._slot_names(u)
-            for (_mod, _attr, k), name in zip(u.slots, names):
+            for (_mod, _attr, k), name in zip(u.slots, slot_names(self.module, u)):
                 out[name] = pieces[k].view(u.shapes[k]).clone()
         return {k: out[k] for k in self._keys if k in out}
 
@@ -360,3 +331,11 @@ class FullyShardedDataParallel(nn.Module):
     def memory_report(self, optimizer=None):
         from .memory import report_fsdp
         return report_fsdp(self, optimizer)
+
+
+def _first_names(root: nn.Module, u: FlatUnit) -> list[str]:
+    """One (state-dict) name per parameter of ``u``: the first place it lived."""
+    first: dict[int, str] = {}
+    for (_m, _a, k), name in zip(u.slots, slot_names(root, u)):
+        first.setdefault(k, name)
+    return [first[k] for k in range(len(u.shapes))]

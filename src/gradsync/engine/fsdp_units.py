@@ -2,9 +2,10 @@
 
 A unit is the granularity at which ZeRO-3 (arXiv 1910.02054, section 5.3) gathers
 parameters: one flat buffer per wrapped module, padded to a multiple of N, of which
-this rank keeps its 1/N slice (in the master dtype) as the ``nn.Parameter`` an
-optimizer steps. The module's own parameters are deleted and become plain
-attributes that ``FullyShardedDataParallel`` points at views of the gathered buffer.
+this rank keeps its 1/N slice (in the master dtype), which an optimizer steps
+piece by piece (one ``nn.Parameter`` per parameter piece, ``shard_view.ShardView``).
+The module's own parameters are deleted and become plain attributes that
+``FullyShardedDataParallel`` points at views of the gathered buffer.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from .precision import master_dtype
+from .shard_view import ShardView
 from .sharding import FlatShard
 
 
@@ -27,13 +29,20 @@ class FlatUnit:
         flat = torch.zeros(self.layout.padded, dtype=master_dtype(params[0].dtype))
         torch.cat([p.detach().reshape(-1).to(flat.dtype) for p in params],
                   out=flat[:self.layout.numel])
-        self.shard = nn.Parameter(flat[start:end].clone())
+        self.shard = flat[start:end].clone()  # this rank's master slice (flat)
+        self.view = ShardView(self.shard, self.layout, rank, as_parameter=True)
         self.full = torch.zeros(self.layout.padded, dtype=dtype, requires_grad=True)
         self.full.untyped_storage().resize_(0)
         self.gather_pending = None  # the Pending gather while one is in flight
         self.acc: torch.Tensor | None = None  # unsharded gradient under no_sync
         self.ready: torch.Tensor | None = None  # this pass's gradient, waiting to launch
         self.reduced = None  # (Pending, slice, source) of the launched reduction
+        self.part: torch.Tensor | None = None  # reduced slice, not yet divided
+        self.grad: torch.Tensor | None = None  # this rank's slice of the synced gradient
+        self.has_grad = [False] * len(params)  # per parameter: .grad after the sync
+        self.aside: tuple[torch.Tensor, list[bool]] | None = None  # from before the window
+        self.used = [False] * len(params)  # got a gradient in the open window (this rank)
+        self.joined = [False] * len(params)  # got a gradient (or zeros) in this sync pass
         self.grad_seen = False
         self.bw_gathered = False
         self.kept = False  # gathered in forward and kept for its backward
@@ -63,11 +72,15 @@ class UnflattenParams(torch.autograd.Function):
     @staticmethod
     def forward(ctx, full, unit):
         ctx.unit = unit
+        ctx.set_materialize_grads(False)  # None for a parameter the forward did not use
         return tuple(unit.views_of(full))
 
     @staticmethod
     def backward(ctx, *grads):
         u = ctx.unit
+        for k, g in enumerate(grads):
+            if g is not None:
+                u.used[k] = u.joined[k] = True
         flat = torch.empty(u.layout.padded, dtype=grads[0].dtype if grads[0] is not None
                            else u.full.dtype)
         for piece, g in zip(u.views_of(flat), grads):

@@ -8,8 +8,8 @@ global sums into the divisor. The same header detects a window that mixed
 ``backward(loss, num_items=n)`` with plain ``loss.backward()`` anywhere, which has
 no exact meaning, and raises on every rank alike (all ranks see the same sums).
 
-DataParallel, ZeroOptimizer (through DataParallel) and FullyShardedDataParallel
-share this one accounting.
+The synchronised-backward core (``sync_core.py``) owns the one instance per model,
+for DataParallel, ZeroOptimizer (through DataParallel) and FullyShardedDataParallel.
 """
 
 from __future__ import annotations
@@ -44,8 +44,11 @@ class ItemWindow:
         finally:
             self._counted = False
 
-    def pass_started(self) -> None:
-        """A backward began; outside :meth:`item_pass` it is a plain ``loss.backward()``."""
+    def pass_joined(self) -> None:
+        """A parameter joined a backward; outside :meth:`item_pass` it is a plain
+        ``loss.backward()``. Counted at the first parameter, not when the pass began: a
+        pass no parameter joins (``torch.autograd.grad`` for a gradient penalty) is not
+        a plain pass and must not make the window look mixed."""
         if not self._counted:
             self.plain_passes += 1
             self._counted = True

@@ -81,6 +81,11 @@ def optimizer_bytes(optimizer, param: torch.Tensor, real: int) -> tuple[int, int
     return state, pad
 
 
+def pieces_bytes(optimizer, view) -> int:
+    """Optimizer state held for the pieces of one shard (``shard_view.ShardView``)."""
+    return sum(optimizer_bytes(optimizer, t, t.numel())[0] for t in view.tensors)
+
+
 def report_zero(zopt) -> MemoryReport:
     params = grads = master = opt_state = comm_b = pad = 0
     num = 0
@@ -101,8 +106,7 @@ def report_zero(zopt) -> MemoryReport:
         if s.master.untyped_storage().data_ptr() != s.flat.untyped_storage().data_ptr():
             a, b = split_real(s.master, real)  # a separate (fp32) master copy
             master, pad = master + a, pad + b
-        a, b = optimizer_bytes(zopt.optimizer, s.master, real)
-        opt_state, pad = opt_state + a, pad + b
+        opt_state += pieces_bytes(zopt.optimizer, s.view)
         if s.src is not None and s.src is not buf:
             comm_b += held(s.src)
     return MemoryReport(zopt.stage, zopt.world, num, params, grads, master, opt_state,
@@ -121,13 +125,12 @@ def report_fsdp(model, optimizer=None) -> MemoryReport:
         params, pad = params + a, pad + b
         a, b = split_real(u.shard, real)
         master, pad = master + a, pad + b
-        a, b = split_real(u.shard.grad, real)
+        a, b = split_real(u.grad, real)
         grads, pad = grads + a, pad + b
         a, b = split_real(u.acc, lay.numel)
         grads, pad = grads + a, pad + b
         if optimizer is not None:
-            a, b = optimizer_bytes(optimizer, u.shard, real)
-            opt_state, pad = opt_state + a, pad + b
+            opt_state += pieces_bytes(optimizer, u.view)
     return MemoryReport(3, model.world, num, params, grads, master, opt_state, 0, pad)
 
 

@@ -13,41 +13,10 @@ from __future__ import annotations
 import torch
 
 from ..errors import UsageError
-from . import comm
 from .data_parallel import DataParallel
 from .memory import MemoryReport, held, optimizer_bytes
 from .precision import MixedPrecision, cast_inputs_hook
-
-
-class _WideReduction:
-    """All-reduce each bucket in ``reduce_dtype``, divide, round once into the bucket."""
-
-    def __init__(self, model: DataParallel, reduce_dtype: torch.dtype):
-        self.model, self.dtype = model, reduce_dtype
-        self._src: dict[int, torch.Tensor] = {}
-
-    def bucket_numel(self, spec) -> int:
-        return spec.numel
-
-    def prepare(self) -> None:
-        pass
-
-    def ensure(self, bucket) -> None:
-        pass
-
-    def launch(self, bucket):
-        buf = bucket.buffer
-        src = buf if buf.dtype == self.dtype else buf.to(self.dtype)
-        self._src[bucket.spec.index] = src
-        return comm.all_reduce(src, self.model.group, async_op=True,
-                               tag=f"bucket{bucket.spec.index}")
-
-    def finish(self, divisor: float) -> None:
-        for b in self.model.buckets:
-            src = self._src.pop(b.spec.index)
-            src.div_(divisor)
-            if src is not b.buffer:
-                b.buffer.copy_(src)
+from .reduction import AllReduceBuckets
 
 
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
@@ -72,7 +41,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if mp.cast_inputs:
             model.module.register_forward_pre_hook(cast_inputs_hook(mp.param_dtype),
                                                    with_kwargs=True)
-        model.set_reduction(_WideReduction(model, mp.reduce_dtype))  # re-creates buckets
+        model.set_reduction(AllReduceBuckets(mp.reduce_dtype))  # re-creates buckets
         self.optimizer = optimizer_class(self._masters, **optimizer_kwargs)
         super().__init__(self._masters, dict(self.optimizer.defaults))
         self.param_groups = self.optimizer.param_groups

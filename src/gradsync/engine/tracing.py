@@ -135,3 +135,14 @@ def span(name: str, cat: str = "compute", **args):
     if tracer is None:
         return contextlib.nullcontext()
     return tracer.span(name, cat, **args)
+
+
+def wait_begins() -> float | None:
+    """Start of a block on communication (None when no tracer is recording)."""
+    return now() if ACTIVE is not None else None
+
+
+def wait_ends(t0: float | None, name: str = "sync wait", **args) -> None:
+    """Record the block that began at ``t0`` (a no-op when nothing is recording)."""
+    if t0 is not None and ACTIVE is not None:
+        ACTIVE.record(name, "wait", t0, now(), **args)

@@ -8,30 +8,30 @@ parameter buffer itself) and the inner optimizer's state for it (stage 1:
 optimizer state 12P/N with mixed-precision Adam).
 
 Backward is DataParallel's, unchanged: same hooks, same strict bucket launch order,
-same header with the ``num_items`` window count, same ``no_sync``. Only the
-communication of a ready bucket differs, through DataParallel's
-``set_reduction`` extension point: the bucket is *reduced to shards*
-(reduce-scatter, or on gloo an all-reduce and a slice, see ``shard_comm``) and the
-end of backward divides this rank's slice by the global item count. So after a
-synchronised backward this rank holds exactly its slice of the global-mean
-gradient (``grad_shards()``; ``param.grad`` is None, and ``step()`` must come before
-the next forward). Stage 1 keeps it inside the (persistent) bucket buffer. Stage 2
-allocates a bucket when its first gradient arrives (DataParallel's ``ensure``),
-and once the bucket's reduction has completed copies this rank's slice out and
-frees the bucket, waiting for the oldest reduction when more than
-``MAX_INFLIGHT`` are pending; so during backward only a few buckets exist (peak
-about half of stage 1's in the test with 13 buckets) and between backward and
-step only the 2P/N gradient slice does. Under ``no_sync`` every bucket lives for
-the whole accumulation window (the local sum has to be kept somewhere).
+same ``num_items`` window count, same ``no_sync``, same DDP-compatibility rules
+(``sync_core.py``). This class is DataParallel's bucket reduction
+(``reduction.BucketReduction``): a ready bucket is *reduced to shards*
+(``shard_comm``) and the end of backward divides this rank's slice by the global
+item count. After a synchronised backward this rank holds exactly its slice of
+the global-mean gradient (``grad_shards()``; ``param.grad`` is None, and
+``step()`` must come before the next forward). Stage 1 keeps it inside the
+(persistent) bucket buffer. Stage 2 allocates a bucket when its first gradient
+arrives and, once the bucket's reduction has completed, copies this rank's slice
+out and frees the bucket (waiting for the oldest reduction when more than
+``MAX_INFLIGHT`` are pending); so during backward only a few buckets exist and
+between backward and step only the 2P/N gradient slice does. Under ``no_sync``
+every bucket lives for the whole accumulation window.
 
-``step()`` runs the inner optimizer on the master shards only, then all-gathers the
-updated parameters bucket by bucket into flat parameter buffers that the module's
-parameters are views of, so every replica holds bitwise the same parameters.
+``step()`` runs the inner optimizer on this rank's pieces of the parameters (one
+tensor per parameter piece, ``shard_view.ShardView``: a parameter no rank used
+has no gradient and is not stepped, exactly as in torch DDP), then all-gathers
+the updated parameters bucket by bucket into flat parameter buffers that the
+module's parameters are views of, so every replica holds bitwise the same values.
 
 The inner optimizer must be elementwise: the update of an element may depend only
-on that element's own parameter, gradient and state, because a shard holds pieces
-of tensors (a parameter may straddle two ranks). Allowed: ``ELEMENTWISE``; a custom
-optimizer opts in with a class attribute ``gradsync_elementwise = True``.
+on that element's own parameter, gradient and state (a piece is part of a tensor).
+Allowed: ``ELEMENTWISE``; a custom optimizer opts in with a class attribute
+``gradsync_elementwise = True``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ import torch
 from ..errors import UsageError
 from .data_parallel import DataParallel
 from .precision import MixedPrecision, cast_inputs_hook, master_dtype
+from .reduction import BucketReduction
 from .shard_comm import ShardComm
+from .shard_view import ShardView
 from .sharding import FlatShard
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
@@ -70,20 +72,16 @@ class _Shard:
         self.start, self.end = self.layout.shard_range(rank)
         p0 = bucket.params[0]
         self.flat = torch.zeros(self.layout.padded, dtype=p0.dtype, device=p0.device)
+        full = torch.zeros(self.layout.padded, dtype=master_dtype(p0.dtype), device=p0.device)
         offset = 0
         with torch.no_grad():
             for p in bucket.params:
                 n = p.numel()
                 self.flat[offset:offset + n].copy_(p.detach().reshape(-1))
                 p.data = self.flat[offset:offset + n].view_as(p)
+                # the master starts from the full-precision values, not their rounded copy
+                full[offset:offset + n].copy_(originals[id(p)].reshape(-1))
                 offset += n
-        # the master starts from the full-precision values, not from their rounded copy
-        full = torch.zeros(self.layout.padded, dtype=master_dtype(p0.dtype), device=p0.device)
-        offset = 0
-        for p in bucket.params:
-            n = p.numel()
-            full[offset:offset + n].copy_(originals[id(p)].reshape(-1))
-            offset += n
         if master_dtype(p0.dtype) == p0.dtype:
             # fp32/fp64 parameters: the master *is* this rank's slice of the flat
             # parameter buffer (no second copy; torch's ZeroRedundancyOptimizer also
@@ -91,18 +89,21 @@ class _Shard:
             self.master = self.flat[self.start:self.end]
         else:
             self.master = full[self.start:self.end].clone()
-        self.grad: torch.Tensor | None = None  # stage 2: this rank's gradient slice
+        self.view = ShardView(self.master, self.layout, rank)
+        self.grad: torch.Tensor | None = None  # this rank's slice of the synced gradient
+        self.has_grad = [False] * len(bucket.params)  # per parameter of the bucket
+        self.aside: tuple[torch.Tensor, list[bool]] | None = None  # from before the window
         self.reduced: torch.Tensor | None = None  # during a sync: the reduced slice
         self.src: torch.Tensor | None = None  # during a sync: the buffer being reduced
         self.pending = None  # during a sync: the reduction in flight
         self.partial: torch.Tensor | None = None  # stage 2: reduced slice, not yet divided
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
     """ZeRO stage 1 or 2 around an elementwise torch optimizer.
 
     It is a ``torch.optim.Optimizer`` whose ``param_groups`` and ``state`` are the
-    inner optimizer's (over the master shards), so LR schedulers work unchanged.
+    inner optimizer's (over this rank's parameter pieces), so LR schedulers work.
 
     Args:
         model: a :class:`gradsync.DataParallel` (its buckets become the shards).
@@ -144,18 +145,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     cast_inputs_hook(mixed_precision.param_dtype), with_kwargs=True)
         model.set_reduction(self)  # re-creates the (padded) bucket buffers
         self._shards = [_Shard(b, self.world, self.rank, originals) for b in model.buckets]
-        self.optimizer = optimizer_class([s.master for s in self._shards], **optimizer_kwargs)
-        super().__init__([s.master for s in self._shards], dict(self.optimizer.defaults))
+        pieces = [t for s in self._shards for t in s.view.tensors]
+        self.optimizer = optimizer_class(pieces, **optimizer_kwargs)
+        super().__init__(pieces, dict(self.optimizer.defaults))
         self.param_groups = self.optimizer.param_groups  # one truth: the inner optimizer's
         self.state = self.optimizer.state
         self._synced = False
 
     # ------------------------------------------------ DataParallel reduction protocol
-    def bucket_numel(self, spec) -> int:
-        return FlatShard((spec.numel,), self.world).padded
+    def attach(self, dp) -> None:
+        self.dp = dp
 
-    def prepare(self) -> None:
-        """Nothing up front: stage 2 allocates a bucket when its first gradient arrives."""
+    def buffer_numel(self, spec) -> int:
+        return FlatShard((spec.numel,), self.world).padded
 
     def ensure(self, bucket) -> None:
         """(Re-)allocate a bucket released after an earlier reduction (stage 2)."""
@@ -187,25 +189,47 @@ class ZeroOptimizer(torch.optim.Optimizer):
             p.grad = None
         s.bucket.buffer.untyped_storage().resize_(0)
 
-    def finish(self, divisor: float) -> None:
+    def set_aside(self) -> None:
+        """Rule 2: gradient shards synced before this window are kept out of its sum."""
+        if not self._synced:
+            return
         for s in self._shards:
-            red = s.reduced
+            s.aside = None if s.grad is None else (s.grad.clone(), list(s.has_grad))
+        self._synced = False
+
+    def take_back(self) -> None:
+        if any(s.aside is not None for s in self._shards):
+            for s in self._shards:
+                s.aside = None
+            self._synced = True
+
+    def complete(self, divisor: float, used: list[bool]) -> None:
+        for s in self._shards:
             if self.stage == 1:
-                target = s.bucket.buffer[s.start:s.end]
+                red, target = s.reduced, s.bucket.buffer[s.start:s.end]
                 if red.data_ptr() == target.data_ptr():
                     target.div_(divisor)
                 else:
                     target.copy_(red.div_(divisor))
+                s.grad = target
             else:
-                part = s.partial if s.partial is not None else red
+                part = s.partial if s.partial is not None else s.reduced
                 s.grad = part.div_(divisor).to(s.bucket.buffer.dtype, copy=True)
-            s.reduced = s.src = s.pending = s.partial = None
+            s.has_grad = [used[i] for i in s.bucket.spec.params]
+            if s.aside is not None:
+                s.grad.add_(s.aside[0])
+                s.has_grad = [a or b for a, b in zip(s.has_grad, s.aside[1])]
+            s.aside = s.reduced = s.src = s.pending = s.partial = None
         for p in self.model.parameters():
             p.grad = None  # local, unreduced values: not a gradient anyone should read
         if self.stage == 2:
             for s in self._shards:
                 s.bucket.buffer.untyped_storage().resize_(0)
         self._synced = True
+
+    def reset(self) -> None:
+        for s in self._shards:
+            s.reduced = s.src = s.pending = s.partial = None
 
     def _reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.mixed_precision.reduce_dtype if self.mixed_precision else dtype
@@ -215,30 +239,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """This rank's slice of the global-mean gradient, one per bucket (None before a sync)."""
         if not self._synced:
             return [None] * len(self._shards)
-        if self.stage == 2:
-            return [s.grad for s in self._shards]
-        return [s.bucket.buffer[s.start:s.end] for s in self._shards]
+        return [s.grad for s in self._shards]
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Update this rank's master shard, then all-gather the parameters."""
+        """Update this rank's parameter pieces, then all-gather the parameters."""
         if closure is not None:
             raise UsageError("ZeroOptimizer.step() takes no closure (closures need whole tensors)")
-        for s, g in zip(self._shards, self.grad_shards()):
-            s.master.grad = None if g is None else g.to(s.master.dtype)
+        synced = self._synced
+        for s in self._shards:
+            s.view.assign_grads(s.grad if synced else None, s.has_grad)
         self.optimizer.step()
         self.gather_params()
         for s in self._shards:
-            s.master.grad = None
+            s.view.clear_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradient shards and zero the buckets that are allocated.
 
-        Stage 2 does not re-allocate released buckets here; the next forward does.
+        Stage 2 does not re-allocate released buckets here; the next backward does.
         """
         for s in self._shards:
-            s.grad = None
-            s.master.grad = None
+            s.grad, s.aside = None, None
+            s.view.clear_grads()
             if s.bucket.buffer.untyped_storage().nbytes():
                 s.bucket.buffer.zero_()
         for p in self.model.parameters():

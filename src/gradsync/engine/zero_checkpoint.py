@@ -35,7 +35,7 @@ from ..errors import UsageError
 from . import comm
 from .replicas import comm_device
 
-FORMAT = 1
+FORMAT = 2  # 2: per-parameter-piece optimizer state, flattened per element
 
 
 class CheckpointError(UsageError):
@@ -51,7 +51,7 @@ def _buffers(target, optimizer):
         names = target.model.trainable_names
         return "zero", target.stage, [
             ([names[i] for i in s.bucket.spec.params], [tuple(p.shape) for p in s.bucket.params],
-             s.layout, s.master, target.optimizer) for s in target.shards]
+             s.layout, s.master, target.optimizer, s.view) for s in target.shards]
     if isinstance(target, FullyShardedDataParallel):
         if optimizer is None:
             raise UsageError("checkpointing a FullyShardedDataParallel needs its optimizer")
@@ -61,7 +61,7 @@ def _buffers(target, optimizer):
             for (_m, _a, k), name in zip(u.slots, target._slot_names(u)):
                 first.setdefault(k, name)
             out.append(([first[k] for k in range(len(u.shapes))], [tuple(s) for s in u.shapes],
-                        u.layout, u.shard, optimizer))
+                        u.layout, u.shard, optimizer, u.view))
         return "fsdp", 3, out
     raise UsageError(f"sharded checkpoints take a ZeroOptimizer or a FullyShardedDataParallel, "
                      f"got {type(target).__name__}")
@@ -112,18 +112,13 @@ def save_sharded(path, target, optimizer=None, _fail_before_manifest: bool = Fal
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier(group, device)
     records = []
-    for names, shapes, layout, master, opt in bufs:
+    for names, shapes, layout, master, opt, view in bufs:
         n = layout.real_numel(rank)
         start = layout.shard_range(rank)[0]
-        state, scalars = {}, {}
-        for key, v in opt.state.get(master, {}).items():
-            if isinstance(v, torch.Tensor) and v.numel() == master.numel() and v.numel() > 1:
-                state[key] = v[:n].clone()
-            else:
-                scalars[key] = v.clone() if isinstance(v, torch.Tensor) else v
+        state, kinds = view.flat_state(opt)  # per element: each piece's own state
         records.append({"names": names, "shapes": shapes, "start": start, "n": n,
                         "master": master.detach()[:n].clone(), "state": state,
-                        "scalars": scalars})
+                        "kinds": kinds})
     opt0 = bufs[0][4] if bufs else optimizer
     payload = {"records": records,
                "param_groups": [{k: v for k, v in g.items() if k != "params"}
@@ -168,6 +163,9 @@ def _read_verified(path: Path, world_expected=None) -> tuple[dict, list[dict]]:
         manifest = json.loads(mpath.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath}: checkpoint format {manifest.get('format')}, this "
+                              f"gradsync reads format {FORMAT}")
     payloads = []
     for name, meta in manifest["files"].items():
         f = path / name
@@ -214,12 +212,12 @@ def load_sharded(path, target, optimizer=None) -> dict:
                               f"uses {type(opt0).__name__}")
     # rebuild every parameter (and per-element state) by name from all ranks' pieces
     full: dict[str, dict[str, torch.Tensor]] = {"master": {}}
-    scalars: dict = {}
+    kinds: dict = {}
     for pl in payloads:
         for rec in pl["records"]:
             numels = [int(torch.Size(s).numel()) for s in rec["shapes"]]
             pieces = {"master": rec["master"], **rec["state"]}
-            scalars.update(rec["scalars"])
+            kinds.update(rec["kinds"])
             off = 0
             for name, numel in zip(rec["names"], numels):
                 lo, hi = max(rec["start"], off), min(rec["start"] + rec["n"], off + numel)
@@ -230,17 +228,18 @@ def load_sharded(path, target, optimizer=None) -> dict:
                         dst[lo - off:hi - off] = t[lo - rec["start"]:hi - rec["start"]]
                 off += numel
     with torch.no_grad():
-        for names, _shapes, layout, master, opt in bufs:
+        for names, _shapes, layout, master, opt, view in bufs:
             start, end = layout.shard_range(target.rank)
             new = {}
             for key, per_name in full.items():
-                flat = torch.zeros(layout.padded, dtype=master.dtype)
-                flat[:layout.numel] = torch.cat([per_name[n] for n in names]).to(master.dtype)
+                dtype = master.dtype if key == "master" else next(iter(per_name.values())).dtype
+                flat = torch.zeros(layout.padded, dtype=dtype)
+                flat[:layout.numel] = torch.cat(  # a parameter nobody had state for: zeros
+                    [per_name.get(n, torch.zeros(layout.numels[j], dtype=dtype))
+                     for j, n in enumerate(names)]).to(dtype)
                 new[key] = flat[start:end].clone()
             master.copy_(new.pop("master"))
-            if new or scalars:
-                opt.state[master] = {**{k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                        for k, v in scalars.items()}, **new}
+            view.load_flat_state(opt, new, kinds)
         for g, saved_g in zip(opt0.param_groups, payloads[0]["param_groups"]):
             g.update(saved_g)
     ex = next((pl["extra"] for pl in payloads if pl.get("extra") is not None), None)

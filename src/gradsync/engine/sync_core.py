@@ -1,0 +1,354 @@
+"""One synchronised backward for every strategy: the pass state machine and its rules.
+
+DataParallel (alone or under ZeroOptimizer) and FullyShardedDataParallel differ
+in how gradients travel -- buckets all-reduced, buckets reduced to shards, units
+reduce-scattered -- but not in *when* they travel or *what* a user gets back.
+That part lives here, once: ``backward(loss, num_items)``, ``no_sync()``, the
+forward-time sync decision, output hooks, the item window, buffer broadcasts and
+the end-of-backward callback. A strategy subclasses :class:`SyncedModule` and
+supplies the mechanics (``_run_forward``, ``_sync_open``, ``_sync_collect``,
+``_sync_complete``, ``_set_aside``/``_take_back``, ``_replay_empty``).
+
+The rules a user switching from torch DDP (arXiv 2006.15704) may rely on; the
+only intended difference is the divisor (the global item count with
+``num_items``, DDP's world size without):
+
+1. A parameter that got no gradient on *any* rank in the accumulation window ends
+   the sync with ``.grad`` as it was before (None after ``zero_grad(set_to_none=
+   True)``), so weight decay and momentum leave it alone as they do in one
+   process; one used on some ranks only counts as zero on the others. Knowing
+   "no rank" takes a used-mask all-reduce, which DDP also pays and only with
+   ``find_unused_parameters=True``; without it an unused parameter is an error
+   naming it. A parameter frozen after wrapping (``requires_grad=False``) simply
+   takes no part.
+2. Gradients already in ``.grad`` when a window starts (a user who syncs every
+   micro-step and steps every second one) are set aside before autograd can
+   accumulate into them and added back after the sync: only this window's
+   contribution is summed and divided by its global count.
+3. A pass that no parameter joins (``torch.autograd.grad`` on the output for a
+   gradient penalty) issues no collective and is not an error; the forward's
+   sync decision survives it for the backward that follows.
+4. Buffers move exactly when DDP moves them: broadcast from rank 0 before a
+   forward that follows a synchronised grad-enabled forward (the first forward
+   too), whether training or evaluating.
+5. A rank with no data joins with ``backward(loss_or_None, num_items=0)``, whether
+   it ran the forward or not; it replays the collectives with zeros and counts
+   as "not used" for rule 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import UnusedParametersError, UsageError
+from . import comm, tracing
+from .item_window import HEADER_SLOTS, ItemWindow
+from .replicas import broadcast_tensors, comm_device
+
+
+def tensors_in(obj):
+    """Every tensor in a (nested) tuple/list/dict output."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from tensors_in(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from tensors_in(o)
+
+
+def as_count(num_items) -> float:
+    """``num_items`` as a whole number >= 0 (a Python number or a one-element tensor)."""
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1:
+            raise UsageError(
+                f"num_items must be a scalar, got a tensor of shape {tuple(num_items.shape)}")
+        num_items = num_items.item()
+    try:
+        n = float(num_items)
+    except (TypeError, ValueError):
+        raise UsageError(f"num_items must be a number, got {num_items!r}") from None
+    if not math.isfinite(n) or n < 0 or n != int(n):
+        raise UsageError(f"num_items counts items: a whole number >= 0, got {num_items!r}")
+    return n
+
+
+@dataclass
+class Collected:
+    """What a strategy hands back once every gradient collective of a sync completed.
+
+    header: the summed item-window header. used: the summed used-mask (one slot per
+    tracked parameter; > 0 means used on some rank), present when
+    ``find_unused_parameters``. missing: indices of parameters this rank tracks that
+    never joined this pass (and are still trainable).
+    """
+
+    header: torch.Tensor
+    used: torch.Tensor | None
+    missing: list[int]
+
+
+class SyncedModule(nn.Module):
+    """The shared core of DataParallel and FullyShardedDataParallel (see module docstring)."""
+
+    def __init__(self, module: nn.Module, group, find_unused_parameters: bool,
+                 broadcast_buffers: bool, what: str):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise UsageError(f"{what} needs an initialised process group: call "
+                             "gradsync.init() (torchrun) or run inside gradsync.spawn()")
+        if not isinstance(module, nn.Module):
+            raise UsageError(f"{what} wraps an nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self._require_sync = True
+        self._forward_sync: bool | None = None  # decided by the last grad-enabled forward
+        self._buffers_due = True  # DDP's require_forward_param_sync, True before any forward
+        self._in_pass = self._joined = self._syncing = self._empty = False
+        self._forward_ran = False  # a grad-enabled forward since the last joined pass
+        self._window = ItemWindow(self.world_size, self.rank)
+        self._window_joined = False  # a pass of the open accumulation window joined
+        self._trace_t0: float | None = None
+        self._header_buf = torch.zeros(HEADER_SLOTS, dtype=torch.float64,
+                                       device=comm_device(group))
+        self._header_pending: comm.Pending | None = None
+
+    # ------------------------------------------------------------ for subclasses
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        return [b for b in self.module.buffers() if b.numel()]
+
+    def _run_forward(self, args, kwargs):
+        return self.module(*args, **kwargs)
+
+    def _set_aside(self) -> None:
+        """Rule 2: move gradients held from before this window out of autograd's way."""
+
+    def _take_back(self) -> None:
+        """A pass that nothing joined: put what ``_set_aside`` moved back unchanged."""
+
+    def _sync_open(self) -> None:
+        """The first parameter joined a synchronised pass (launch the header, reset counts)."""
+
+    def _sync_collect(self) -> Collected:
+        raise NotImplementedError
+
+    def _sync_complete(self, divisor: float, used: list[bool]) -> None:
+        raise NotImplementedError
+
+    def _sync_reset(self) -> None:
+        """A sync failed after its collectives completed: forget this pass's state."""
+
+    def _replay_empty(self, forward_ran: bool) -> None:
+        """Rule 5: issue this rank's share of a backward's collectives with zero gradients
+        (and of the forward's, when ``forward_ran`` is False)."""
+        raise NotImplementedError
+
+    def _param_names(self) -> list[str]:
+        raise NotImplementedError
+
+    def _trainable(self) -> list[bool]:
+        """Per used-mask slot: may this parameter receive a gradient now? (A parameter
+        frozen after wrapping takes no part and is never reported missing.)"""
+        raise NotImplementedError
+
+    def _pass_started(self) -> None:
+        """Every backward pass through this model begins (before any gradient)."""
+
+    def _pass_over(self) -> None:
+        """Every backward pass ends, joined or not, synchronised or not."""
+
+    # ------------------------------------------------------------ small collectives
+    def _launch_header(self, group) -> None:
+        """The window's item header as a 32-byte all-reduce of its own, launched as the
+        first gradient arrives so it hides behind backward (when it cannot ride in a
+        bucket that is summed exactly)."""
+        self._window.write(self._header_buf)
+        self._header_pending = comm.all_reduce(self._header_buf, group, async_op=True,
+                                               tag="header")
+
+    def _summed_header(self) -> torch.Tensor:
+        self._header_pending.wait()
+        self._header_pending = None
+        return self._header_buf.clone()
+
+    def _sum_used(self, used: list[bool], group) -> torch.Tensor:
+        """Rule 1's used mask summed over the ranks (what DDP's find_unused_parameters
+        also pays: one small all-reduce once every gradient collective is out)."""
+        mask = torch.tensor(used, dtype=torch.float32, device=self._header_buf.device)
+        comm.all_reduce(mask, group, tag="used_mask")
+        return mask
+
+    # ------------------------------------------------------------ forward
+    def forward(self, *args, **kwargs):
+        tracer = tracing.ACTIVE
+        t0 = tracing.now() if tracer is not None else 0.0
+        grad_on = torch.is_grad_enabled()
+        self._sync_buffers()
+        if grad_on and not self._in_pass:
+            self._forward_sync = self._require_sync
+            self._forward_ran = True
+        out = self._run_forward(args, kwargs)
+        if grad_on:
+            for t in tensors_in(out):
+                if t.requires_grad:
+                    t.register_hook(self._output_hook)
+        self._buffers_due = grad_on and self._require_sync
+        if tracer is not None:
+            tracer.record("forward", "compute", t0, tracing.now(), sync=self._require_sync)
+        return out
+
+    def _sync_buffers(self) -> None:
+        """Rule 4: rank 0's buffers, when DDP would broadcast them (before this forward)."""
+        if self._buffers_due and self.broadcast_buffers and self.world_size > 1:
+            buffers = self._synced_buffers()
+            if buffers:
+                broadcast_tensors(buffers, self.group, tag="buffers")
+
+    def _output_hook(self, grad):
+        self._start_pass()
+        return None
+
+    # ------------------------------------------------------------ backward
+    def backward(self, loss: torch.Tensor | None = None, num_items=None,
+                 **backward_kwargs) -> None:
+        """Backward with the exact global mean when ``num_items`` is given.
+
+        ``loss`` is the mean over this micro-batch's ``num_items`` items (samples or
+        tokens). With ``num_items=0`` the loss is ignored (it may be ``None`` or NaN,
+        as a mean over nothing is) and this rank joins the synchronisation with a
+        zero contribution, so ranks with uneven data never leave others waiting;
+        the forward may have run or not. Without ``num_items`` this is
+        ``loss.backward()``: DDP's convention (divide by the world size).
+        """
+        if num_items is None:
+            if loss is None:
+                raise UsageError(
+                    "backward() needs a loss (or num_items=0 for an empty micro-batch)")
+            loss.backward(**backward_kwargs)
+            return
+        n = as_count(num_items)
+        if self._in_pass:
+            raise UsageError("backward() called while another backward through this model "
+                             "is running")
+        if n and loss is None:
+            raise UsageError(f"backward() got num_items={num_items} but no loss")
+        with self._window.item_pass(n):
+            if n == 0:
+                self._empty_pass()
+            else:
+                (loss * n).backward(**backward_kwargs)
+
+    def _empty_pass(self) -> None:
+        """Rule 5: this rank has no data; replay the forward's collectives if it did not
+        run one (a buffer broadcast, stage 3's gathers), then the backward's, with zeros."""
+        forward_ran = self._forward_ran
+        if not forward_ran:
+            self._sync_buffers()
+            self._forward_sync = self._require_sync
+            self._buffers_due = self._require_sync
+        self._start_pass(queue=False)
+        self._empty = True
+        try:
+            self._join()
+            self._replay_empty(forward_ran)
+        finally:
+            self._empty = False
+        self._end_pass()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally with no gradient communication at all.
+
+        The decision is taken at forward time (as in DDP): run the micro-step's
+        forward and backward inside the context; the next synchronised backward
+        reduces everything accumulated since the last sync, once.
+        """
+        previous = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    # ------------------------------------------------------------ pass state machine
+    def _start_pass(self, queue: bool = True) -> None:
+        if self._in_pass:
+            return
+        self._in_pass, self._joined = True, False
+        self._trace_t0 = tracing.now() if tracing.ACTIVE is not None else None
+        if queue:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+        sync = self._forward_sync if self._forward_sync is not None else self._require_sync
+        self._syncing = sync
+        if not self._window_joined:
+            self._set_aside()
+        self._pass_started()
+
+    def _join(self) -> None:
+        """A parameter's gradient arrived (called by the strategy's hooks, first thing)."""
+        if not self._in_pass:
+            self._start_pass()
+        if self._joined:
+            return
+        self._joined = True
+        self._window_joined = True
+        self._window.pass_joined()
+        if self._syncing:
+            self._sync_open()
+
+    def _end_pass(self) -> None:
+        joined, sync = self._joined, self._syncing
+        try:
+            if not joined:
+                if not self._window_joined:
+                    self._take_back()
+            elif sync:
+                self._finish_sync()
+        finally:
+            self._in_pass = self._joined = self._syncing = False
+            if joined:
+                self._forward_sync, self._forward_ran = None, False
+            self._pass_over()
+            self._window.pass_ended()
+            if self._trace_t0 is not None and tracing.ACTIVE is not None:
+                tracing.ACTIVE.record("backward", "compute", self._trace_t0, tracing.now(),
+                                      sync=sync)
+            self._trace_t0 = None
+
+    def _finish_sync(self) -> None:
+        collected = self._sync_collect()
+        self._window_joined = False
+        trainable = self._trainable()
+        missing = [i for i in collected.missing if trainable[i]]
+        if missing and not self.find_unused_parameters:
+            self._window.reset()
+            self._sync_reset()
+            names = self._param_names()
+            listed = ", ".join(repr(names[i]) for i in missing)
+            raise UnusedParametersError(
+                f"rank {self.rank}: {len(missing)} parameter(s) received no gradient in this "
+                f"synchronised backward: {listed}. Make every parameter take part in the loss, "
+                "freeze them (requires_grad=False), or pass find_unused_parameters=True: a "
+                "parameter no rank used then keeps its .grad (None) as in torch DDP")
+        try:
+            divisor = self._window.close(collected.header)
+        except UsageError:
+            self._sync_reset()
+            raise
+        if collected.used is not None:
+            used = [bool(u > 0) for u in collected.used.tolist()]
+        else:
+            used = [True] * len(trainable)
+        used = [u and t for u, t in zip(used, trainable)]
+        self._sync_complete(divisor, used)
