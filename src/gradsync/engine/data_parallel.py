@@ -1,26 +1,17 @@
 """DataParallel: replicas that stay identical and a gradient that is exactly the global mean.
 
 How a synchronised backward runs (DDP paper, arXiv 2006.15704, section 3.2):
-
-1. Gradients accumulate into flat bucket buffers (``param.grad`` is a view).
-2. A post-accumulate-grad hook marks each parameter ready; when a bucket's last
-   gradient lands, that bucket is launched asynchronously (all-reduce by default;
-   a :class:`~gradsync.engine.reduction.BucketReduction` decides), so communication
-   overlaps the rest of backward. Buckets launch strictly in index order on every
-   rank, which keeps collectives matched whatever order gradients arrive in.
-3. A callback queued on the autograd engine runs once backward is over: it
-   launches anything not yet launched (unused parameters), waits for every
-   bucket and divides. When ``backward()`` returns, gradients are synchronised.
-
-Exactness: ``backward(loss, num_items=n)`` turns this micro-batch's mean loss into
-a sum by scaling with ``n``; the window's item count travels in a header (inside
-the first bucket when the buckets are summed exactly, else a 32-byte all-reduce
-launched as the first gradient arrives), and the summed gradient is divided by
-the *global* item count: the gradient of the mean loss over every item of the
-global batch, across ranks and ``no_sync`` micro-steps, whatever each held. Plain
-``loss.backward()`` keeps DDP's convention (divide by world size). Everything
-about passes, windows, buffers and the DDP-compatibility rules lives in
-``sync_core.py``.
+gradients accumulate into flat bucket buffers (``param.grad`` is a view); a
+post-accumulate-grad hook marks each parameter ready, and a bucket whose last
+gradient landed is launched asynchronously (a ``reduction.BucketReduction``
+decides how it travels: all-reduce by default), strictly in index order on every
+rank, so communication overlaps the rest of backward and collectives stay
+matched whatever order gradients arrive in. At the end of backward everything
+left is launched, waited for and divided by the global item count (the header
+rides in the first bucket when buckets are summed exactly). Passes, windows,
+``num_items``, ``no_sync``, buffers and the DDP-compatibility rules are the
+synchronised-backward core's (``sync_core.py``); the bucket layout, its rebuild
+and autotuning are ``bucket_layout.py``'s.
 """
 
 from __future__ import annotations
@@ -270,11 +261,7 @@ class DataParallel(SyncedModule):
 
     # ------------------------------------------------------------------ housekeeping
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the bucket buffers in place; existing gradients stay views into them.
-
-        As torch's ``zero_grad``: a gradient that is None stays None (so a parameter
-        nothing used keeps None, rule 1 of ``sync_core``).
-        """
+        """Zero the buckets in place; as torch's ``zero_grad``, a None gradient stays None."""
         self._reduction.prepare()
         for b in self._layout.buckets:
             if not b.buffer.untyped_storage().nbytes():  # released by a sharded reduction

@@ -38,7 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import UsageError
-from .fsdp_units import FlatUnit, build_units, slot_names
+from .fsdp_gather import UnitGatherer
+from .fsdp_units import FlatUnit, build_units, first_names, slot_names
 from .precision import MixedPrecision, cast_inputs_hook
 from .replicas import broadcast_module_state, comm_device, verify_same_structure
 from .shard_comm import ShardComm
@@ -80,7 +81,7 @@ class FullyShardedDataParallel(SyncedModule):
                                   mixed_precision.param_dtype if mixed_precision else None)
         self.shards = nn.ParameterList([t for u in self._units for t in u.view.tensors])
         self._slots = [(u, k) for u in self._units for k in range(len(u.shapes))]
-        self._names = [n for u in self._units for n in _first_names(module, u)]
+        self._names = [n for u in self._units for n in first_names(module, u)]
         self._hooks = []
         for u in self._units:
             if u.module is not module:
@@ -93,6 +94,7 @@ class FullyShardedDataParallel(SyncedModule):
         root = [u for u in self._units if u.module is module]
         rest = [u for u in self._units if u.module is not module]
         self._root = root[0] if root else None
+        self._gatherer = UnitGatherer(self._units, self.comm, group, self.rank, prefetch)
         self._reduce_order = rest[::-1] + root
         # kept gathered from forward into backward (FSDP2 keeps the root; DeepSpeed's
         # reuse distance keeps what is needed again at once): the root, and the last
@@ -101,46 +103,11 @@ class FullyShardedDataParallel(SyncedModule):
         self._next_reduce = 0
         self._inflight: list[FlatUnit] = []
 
-    # ------------------------------------------------------------------ gather / free
-    def _launch_gather(self, u: FlatUnit) -> None:
-        if u.gather_pending is not None or u.full.untyped_storage().nbytes():
-            return
-        full = u.full.data
-        full.untyped_storage().resize_(full.numel() * full.element_size())
-        u.gather_pending = self.comm.gather(full, u.shard, self.rank, self.group,
-                                            tag=f"unit{u.index}")
-
-    def _gather(self, u: FlatUnit, grad: bool) -> None:
-        self._launch_gather(u)
-        if u.gather_pending is not None:
-            u.gather_pending.wait()
-            u.gather_pending = None
-        views = u.param_views(grad)
-        for mod, attr, k in u.slots:
-            setattr(mod, attr, views[k])
-
-    def _free(self, u: FlatUnit) -> None:
-        u.kept = False
-        u.full.untyped_storage().resize_(0)
-
-    def _prefetch_after(self, u: FlatUnit, backward: bool) -> None:
-        seq = self._units[::-1] if backward else self._units
-        pos = seq.index(u)
-        for nxt in seq[pos + 1:pos + 1 + self.prefetch]:
-            if nxt.module is not self.module:
-                self._launch_gather(nxt)
-
-    def _release_gathered(self) -> None:
-        """Before a forward: free what an earlier forward or pass left gathered."""
-        for u in self._units:
-            if u.full.untyped_storage().nbytes() and u.gather_pending is None:
-                self._free(u)
-
     # ------------------------------------------------------------------ unit hooks
     def _make_pre(self, u):
         def pre(_module, _args):
-            self._gather(u, torch.is_grad_enabled())
-            self._prefetch_after(u, backward=False)
+            self._gatherer.gather(u, torch.is_grad_enabled())
+            self._gatherer.prefetch_after(u, False, self.module)
         return pre
 
     def _make_post(self, u):
@@ -157,21 +124,21 @@ class FullyShardedDataParallel(SyncedModule):
             if id(u) in self._keep_for_backward:
                 u.kept = True
                 return
-        self._free(u)
+        self._gatherer.free(u)
 
     def _pre_backward(self, u):
         self._start_pass()
         if not u.bw_gathered:
             u.bw_gathered = True
-            self._gather(u, True)
-            self._prefetch_after(u, backward=True)
+            self._gatherer.gather(u, True)
+            self._gatherer.prefetch_after(u, True, self.module)
 
     def _make_grad_hook(self, u):
         def hook(full):
             self._join()
             g = full.grad
             full.grad = None
-            self._free(u)
+            self._gatherer.free(u)
             self._accept(u, g)
         return hook
 
@@ -211,10 +178,10 @@ class FullyShardedDataParallel(SyncedModule):
     def _run_forward(self, args, kwargs):
         grad = torch.is_grad_enabled()
         if not self._in_pass:
-            self._release_gathered()
+            self._gatherer.release_all()
         if self._root is not None:
-            self._gather(self._root, grad)
-            self._prefetch_after(self._root, backward=False)
+            self._gatherer.gather(self._root, grad)
+            self._gatherer.prefetch_after(self._root, False, self.module)
         out = self.module(*args, **kwargs)
         if self._root is not None:
             self._after_forward(self._root, out)
@@ -230,7 +197,7 @@ class FullyShardedDataParallel(SyncedModule):
         if self._root is not None:
             # the root is re-gathered first, whichever output hook autograd fires first,
             # so the gather sequence is the same on every rank (and in _replay_empty)
-            self._launch_gather(self._root)
+            self._gatherer.launch(self._root)
 
     def _pass_over(self) -> None:
         for u in self._units:
@@ -259,7 +226,7 @@ class FullyShardedDataParallel(SyncedModule):
     def _sync_collect(self) -> Collected:
         for u in self._reduce_order:  # not reached in this backward: a zero contribution
             if not u.grad_seen:
-                self._free(u)
+                self._gatherer.free(u)
                 self._accept(u, torch.zeros(u.layout.padded, dtype=u.full.dtype))
         while self._inflight:
             self._finalize(self._inflight.pop(0))
@@ -291,16 +258,16 @@ class FullyShardedDataParallel(SyncedModule):
     def _replay_empty(self, forward_ran: bool) -> None:
         """The same collectives as a forward (unless one ran) and a backward, with zeros."""
         if not forward_ran:
-            self._release_gathered()
+            self._gatherer.release_all()
             for u in self._units:  # the same gathers as a forward, keeping the same units
-                self._gather(u, False)
+                self._gatherer.gather(u, False)
                 if id(u) not in self._keep_for_backward:
-                    self._free(u)
+                    self._gatherer.free(u)
         root = [u for u in self._units if u.module is self.module]
         rest = [u for u in self._units if u.module is not self.module]
         for u in root + rest[::-1]:
-            self._gather(u, False)
-            self._free(u)
+            self._gatherer.gather(u, False)
+            self._gatherer.free(u)
             u.joined = [True] * len(u.joined)
             self._accept(u, torch.zeros_like(u.full.data, dtype=u.full.dtype))
 
@@ -321,9 +288,6 @@ class FullyShardedDataParallel(SyncedModule):
                 out[name] = pieces[k].view(u.shapes[k]).clone()
         return {k: out[k] for k in self._keys if k in out}
 
-    def _slot_names(self, u):
-        return slot_names(self.module, u)
-
     @property
     def units(self):
         return self._units
@@ -332,10 +296,3 @@ class FullyShardedDataParallel(SyncedModule):
         from .memory import report_fsdp
         return report_fsdp(self, optimizer)
 
-
-def _first_names(root: nn.Module, u: FlatUnit) -> list[str]:
-    """One (state-dict) name per parameter of ``u``: the first place it lived."""
-    first: dict[int, str] = {}
-    for (_m, _a, k), name in zip(u.slots, slot_names(root, u)):
-        first.setdefault(k, name)
-    return [first[k] for k in range(len(u.shapes))]

@@ -145,3 +145,11 @@ def slot_names(root: nn.Module, unit: FlatUnit) -> list[str]:
     """The original (state-dict) name of every place a unit's parameters lived."""
     where = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
     return [f"{where[id(mod)]}.{attr}".lstrip(".") for mod, attr, _k in unit.slots]
+
+
+def first_names(root: nn.Module, unit: FlatUnit) -> list[str]:
+    """One (state-dict) name per parameter of ``unit``: the first place it lived."""
+    first: dict[int, str] = {}
+    for (_m, _a, k), name in zip(unit.slots, slot_names(root, unit)):
+        first.setdefault(k, name)
+    return [first[k] for k in range(len(unit.shapes))]

@@ -45,6 +45,7 @@ class CheckpointError(UsageError):
 def _buffers(target, optimizer):
     """(names, shapes, layout, master, optimizer) of every flat sharded buffer."""
     from .fsdp import FullyShardedDataParallel
+    from .fsdp_units import first_names
     from .zero import ZeroOptimizer
 
     if isinstance(target, ZeroOptimizer):
@@ -55,14 +56,8 @@ def _buffers(target, optimizer):
     if isinstance(target, FullyShardedDataParallel):
         if optimizer is None:
             raise UsageError("checkpointing a FullyShardedDataParallel needs its optimizer")
-        out = []
-        for u in target.units:
-            first = {}
-            for (_m, _a, k), name in zip(u.slots, target._slot_names(u)):
-                first.setdefault(k, name)
-            out.append(([first[k] for k in range(len(u.shapes))], [tuple(s) for s in u.shapes],
-                        u.layout, u.shard, optimizer, u.view))
-        return "fsdp", 3, out
+        return "fsdp", 3, [(first_names(target.module, u), [tuple(s) for s in u.shapes],
+                             u.layout, u.shard, optimizer, u.view) for u in target.units]
     raise UsageError(f"sharded checkpoints take a ZeroOptimizer or a FullyShardedDataParallel, "
                      f"got {type(target).__name__}")
 
