@@ -10,19 +10,21 @@ one recorded (parameters, buffers, outputs, ``.grad`` and its None-ness) with
 
 Robustness, so one broken pattern cannot hide the others: every job runs on a
 process group of its own whose collectives time out after ``JOB_TIMEOUT_S``; an
-exception becomes ``{ERROR: text}`` in that job's result; and all ranks meet on
-the world group (a longer timeout) before the next job starts, so a rank whose
-peer abandoned a collective escapes through the job group's timeout and catches
-up. What cannot be caught is a process killed by the backend (gloo aborts on
-mismatched collectives): such jobs get a spawn of their own.
+exception becomes ``{ERROR: text}`` in that job's result; all ranks meet on the
+world group (a longer timeout) before the next job starts, so a rank whose peer
+abandoned a collective escapes through the job group's timeout and catches up;
+and a job that kills its process (gloo aborts on mismatched collectives) is
+recorded as such while the remaining jobs continue in a fresh spawn.
 """
 
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -166,31 +168,55 @@ class Job:
     kwargs: tuple = ()
 
 
-def run_jobs_guarded(jobs: list[Job]) -> list:
-    """Every job on this rank, each on its own process group; errors become results."""
+def run_jobs_guarded(jobs: list[Job], start: int, outdir: str) -> None:
+    """Jobs ``start..`` on this rank, each on its own process group; results go to files.
+
+    Rank 0 names the running job in ``outdir/running`` so the caller knows which
+    one a dead process died in; each result is saved as soon as the job ends.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
-    out = []
-    for job in jobs:
+    for i in range(start, len(jobs)):
+        job = jobs[i]
+        if rank == 0:
+            Path(outdir, "running").write_text(str(i))
         group = dist.new_group(timeout=timedelta(seconds=JOB_TIMEOUT_S))
-        ctx = Ctx(rank, world, job.kind)
         try:
-            out.append(job.fn(ctx, group, **dict(job.kwargs)))
+            result = job.fn(Ctx(rank, world, job.kind), group, **dict(job.kwargs))
         except Exception as exc:  # noqa: BLE001 - reported by the test that owns the job
-            tail = traceback.format_exception(exc)[-3:]
-            out.append({ERROR: f"{type(exc).__name__}: {exc}"[:1500] + "\n" + "".join(tail)[-800:]})
+            tail = "".join(traceback.format_exception(exc)[-3:])[-800:]
+            result = {ERROR: f"{type(exc).__name__}: {exc}"[:1500] + "\n" + tail}
+        torch.save(result, Path(outdir, f"{i}.{rank}.pt"))
         dist.barrier()  # world group: everyone leaves the job together
-    return out
 
 
 def spawn_jobs(world: int, jobs: list[Job]) -> dict:
-    """``{(name, kind): [result of rank 0..world-1]}``, or ``{ERROR: text}`` if the spawn died."""
+    """``{(name, kind): [result of rank 0..world-1]}`` for every job.
+
+    A job that kills its process (gloo aborts on mismatched collectives) gets the
+    spawn's error as its result, and the jobs after it run in a new spawn: one
+    extra spawn per such job, none when nothing dies.
+    """
     import gradsync as gs
 
-    try:
-        per_rank = gs.spawn(run_jobs_guarded, world, jobs)
-    except gs.WorkerFailedError as exc:
-        return {ERROR: str(exc)[:3000]}
-    return {(j.name, j.kind): [r[i] for r in per_rank] for i, j in enumerate(jobs)}
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as outdir:
+        start = 0
+        while start < len(jobs):
+            try:
+                gs.spawn(run_jobs_guarded, world, jobs, start, outdir)
+                break
+            except gs.WorkerFailedError as exc:
+                running = Path(outdir, "running")
+                died = int(running.read_text()) if running.exists() else start
+                for r in range(world):
+                    torch.save({ERROR: f"the process died: {str(exc)[:2000]}"},
+                               Path(outdir, f"{died}.{r}.pt"))
+                start = died + 1
+        for i, job in enumerate(jobs):
+            out[(job.name, job.kind)] = [
+                torch.load(Path(outdir, f"{i}.{r}.pt"), weights_only=False)
+                for r in range(world)]
+    return out
 
 
 def _describe(v) -> str:
@@ -239,8 +265,6 @@ def differences(expected, got, tol: float, path: str = "") -> list[str]:
 def failures(results: dict, name: str, kinds, against: str = "ddp", tol: float = 1e-12,
              max_lines: int = 4) -> list[str]:
     """One line per strategy in ``kinds`` whose records differ from ``against``'s."""
-    if ERROR in results:
-        return [f"the spawn died: {results[ERROR]}"]
     ref = results[(name, against)]
     bad = [r for r, v in enumerate(ref) if isinstance(v, dict) and ERROR in v]
     if bad:
