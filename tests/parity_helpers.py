@@ -124,6 +124,13 @@ class Trainer:
     def step(self) -> None:
         self.opt.step()
 
+    def step_and_record(self, rec: dict, tag) -> None:
+        """Record ``.grad`` as ``grad{tag}``, step, zero_grad, record ``state{tag}``."""
+        rec[f"grad{tag}"] = self.grads()
+        self.step()
+        self.zero_grad()
+        rec[f"state{tag}"] = self.state()
+
     def zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
 

@@ -26,7 +26,8 @@ batch, however unevenly the batch is split (a rank may hold 0 samples):
   unbiased variance with the *global* count, ``momentum``, ``num_batches_tracked``
   and the cumulative average for ``momentum=None``.
 * Backward: the input gradient of the global-batch normalisation needs the sums
-  of ``dy`` and ``dy * xhat`` over the global batch (algorithm 1's backward): one
+  of ``dy`` and ``dy * xhat`` over the global batch (the chain rule of the
+  paper's section 3, with the batch being the global one): one
   all-reduce of ``2C`` values, skipped (on every rank alike) when the input needs
   no gradient, as torch's SyncBatchNorm does. Weight and bias gradients are this
   rank's own; the data-parallel wrapper reduces them like any parameter's.
