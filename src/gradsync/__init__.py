@@ -39,6 +39,8 @@ _LAZY = {
     "MixedPrecision": "gradsync.engine.precision",
     "MixedPrecisionOptimizer": "gradsync.engine.mixed_dp",
     "clip_grad_norm_": "gradsync.engine.clip",
+    "SyncBatchNorm": "gradsync.engine.sync_batchnorm",
+    "convert_sync_batchnorm": "gradsync.engine.sync_batchnorm",
 }
 
 __all__ = [
