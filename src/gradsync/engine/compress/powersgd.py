@@ -128,8 +128,10 @@ class PowerSGDCompressor(Compressor):
     def _reduce(self, key, x, shapes, group, rank, world) -> int:
         signature = (tuple(tuple(s) for s in shapes), x.dtype)
         st = self._keys.get(key)
-        if st is None or st.signature != signature:  # new key or new bucket layout
+        if st is None or st.signature != signature:  # new key or new layout: fresh Q, residual
+            calls = 0 if st is None else st.calls  # the step count survives a bucket rebuild
             st = self._keys[key] = _KeyState(signature)
+            st.calls = calls
         st.calls += 1
         if st.calls <= self.start_iter:
             comm.all_reduce(x, group, tag="compress-powersgd", meta={"key": key, "exact": True})
