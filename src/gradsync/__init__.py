@@ -39,6 +39,15 @@ _LAZY = {
     "MixedPrecision": "gradsync.engine.precision",
     "MixedPrecisionOptimizer": "gradsync.engine.mixed_dp",
     "clip_grad_norm_": "gradsync.engine.clip",
+    "DiLoCo": "gradsync.engine.diloco",
+    "StreamingDiLoCo": "gradsync.engine.streaming_diloco",
+    "parse_compression": "gradsync.engine.compress",
+    "gradient_distance": "gradsync.engine.compress",
+    "Compressor": "gradsync.engine.compress",
+    "CompressionStats": "gradsync.engine.compress",
+    "HalfPrecisionCompressor": "gradsync.engine.compress",
+    "Int8Compressor": "gradsync.engine.compress",
+    "PowerSGDCompressor": "gradsync.engine.compress",
 }
 
 __all__ = [
