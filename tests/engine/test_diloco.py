@@ -21,7 +21,8 @@ from torch import nn
 
 import gradsync as gs
 from gradsync.engine import comm
-from gradsync.engine.diloco import local_sgd_outer_optimizer, split_parameters
+from gradsync.engine.diloco import local_sgd_outer_optimizer
+from gradsync.engine.diloco_fragments import split_parameters
 from tests.helpers import dataset, job_results, max_gap, mlp, mse, run_jobs, uneven_schedule
 
 LR = 0.05
