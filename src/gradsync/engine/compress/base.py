@@ -13,6 +13,12 @@ integer the caller chooses, the bucket index. Contract of ``all_reduce_``:
   thread runs backward; ``stats()``/``state_dict()`` take the same lock and so
   see a state between two calls, never half of one.
 * Every rank calls it with the same keys in the same order (as for any collective).
+  From a communication thread, give it a ``group`` no other thread issues
+  collectives on meanwhile: PowerSGD all-reduces P and Q, and two threads issuing
+  collectives on one group can order them differently on different ranks. (The
+  bf16/fp16/int8 messages are point-to-point with their own tags, above
+  ``engine/shard_comm.py``'s, so they do not interleave with anything.)
+  ``StreamingDiLoCo`` makes such a group with ``dist.new_group``.
 * A group of one rank sends nothing and leaves ``flat`` exact.
 
 Exactness is spent on purpose here: only ``none`` (no compressor) is exact, and
