@@ -44,6 +44,7 @@ _LAZY = {
     "parse_compression": "gradsync.engine.compress",
     "gradient_distance": "gradsync.engine.compress",
     "Compressor": "gradsync.engine.compress",
+    "CompressedBuckets": "gradsync.engine.compress",
     "CompressionStats": "gradsync.engine.compress",
     "HalfPrecisionCompressor": "gradsync.engine.compress",
     "Int8Compressor": "gradsync.engine.compress",

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync as gs
+from gradsync.engine import comm
 from gradsync.engine.compress import (
     HalfPrecisionCompressor,
     Int8Compressor,
@@ -177,6 +178,27 @@ def _resume(spec, steps=6, cut=3):
     return all(torch.equal(p, q) for p, q in zip(ref, out))
 
 
+def _data_parallel(spec, steps=4):
+    """DataParallel with CompressedBuckets: per step, every parameter's .grad and the tags seen."""
+    from tests.helpers import dataset, mlp, mse
+
+    rank = dist.get_rank()
+    x, y = dataset()
+    tags: list[str] = []
+    dp = gs.DataParallel(mlp(), bucket_cap_mb=0.0005, first_bucket_mb=0.0001,
+                         reduction=gs.CompressedBuckets(parse_compression(spec)))
+    out = []
+    with comm.add_observer(lambda phase, ev: tags.append(ev.tag) if phase == "launch" else None):
+        for s in range(steps):
+            tags.clear()
+            idx = [(7 * s + 3 * rank + i) % 96 for i in range(3 + 4 * rank)]
+            dp.backward(mse(dp(x[idx]), y[idx]), num_items=len(idx))
+            out.append(([p.grad.clone() for p in dp.module.parameters()], sorted(set(tags)),
+                        len(dp.buckets)))
+            dp.zero_grad()
+    return out
+
+
 SPECS = ["bf16", "fp16", "int8", "powersgd:1", "powersgd:2"]
 
 
@@ -190,6 +212,7 @@ def _jobs(world):
                  for s in ("bf16", "int8", "powersgd:1") for ef in (True, False)]
         jobs += [(_low_rank_exact, (2,)), (_versus_torch_hook, (1,)), (_versus_torch_hook, (2,))]
         jobs += [(_resume, (s,)) for s in ("int8", "powersgd:1")]
+        jobs += [(_data_parallel, (s,)) for s in ("int8", "powersgd:1")]
     return jobs
 
 
@@ -308,6 +331,32 @@ def test_powersgd_matches_torch_hook_times_world_size(index, r):
 @pytest.mark.parametrize("index", [22, 23])
 def test_state_dict_round_trip_continues_bit_for_bit(index):
     assert all(_results(2, index))
+
+
+@pytest.mark.parametrize("index,spec", [(24, "int8"), (25, "powersgd:1")])
+def test_data_parallel_with_compressed_buckets(index, spec):
+    """Window 1 exact (before the bucket rebuild), then compressed on the thread; the
+    gradient is the compressed sum over the exact global item count."""
+    from tests.helpers import dataset, mlp, mse
+
+    res = _results(2, index)
+    x, y = dataset()
+    for s in range(4):
+        grads = [res[r][s][0] for r in range(2)]
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), f"step {s}: ranks differ"
+        idx = [(7 * s + 3 * r + i) % 96 for r in range(2) for i in range(3 + 4 * r)]
+        model = mlp()
+        mse(model(x[idx]), y[idx]).backward()
+        exact = [p.grad for p in model.parameters()]
+        cos, rel = gradient_distance(grads[0], exact)
+        tags = res[0][s][1]
+        assert res[0][s][2] > 1
+        if s == 0:
+            assert rel < 1e-12 and not any(t.startswith("compress") for t in tags), (rel, tags)
+        else:
+            assert f"compress-{spec.split(':')[0]}" in tags, tags
+            assert 1e-12 < rel < (2e-2 if spec == "int8" else 1.0), rel
+            assert cos > (0.999 if spec == "int8" else 0.5), cos
 
 
 # ---------------------------------------------------------------- single process

@@ -31,14 +31,12 @@ replicas end identical.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..dist import default_timeout_s
 from ..errors import UsageError
+from .compress.thread import private_group
 from .diloco import DiLoCo, as_items
 
 
@@ -92,11 +90,7 @@ class StreamingDiLoCo(DiLoCo):
                          sync_buffers, _fragments=fragments)
         self.delay = delay
         self.alpha = alpha
-        if comm_group is None:
-            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-            comm_group = dist.new_group(ranks, timeout=timedelta(seconds=default_timeout_s()),
-                                        use_local_synchronization=True)
-        self.comm_group = comm_group
+        self.comm_group = comm_group if comm_group is not None else private_group(group)
         self.offsets = [f * sync_every // len(self.fragments) for f in range(len(self.fragments))]
         self._inflight: list[_InFlight] = []
         self._executor: ThreadPoolExecutor | None = None

@@ -2,7 +2,9 @@
 
 Every compressor offers one call, ``all_reduce_(key, flat, shapes, group)``
 (see ``base.py`` for the contract), and reports what it sent (``stats()``).
-``parse_compression`` maps the command line's ``--compress`` value to one.
+``parse_compression`` maps the command line's ``--compress`` value to one;
+``CompressedBuckets`` plugs one into DataParallel
+(``gs.DataParallel(module, reduction=CompressedBuckets(compressor))``).
 None of them is exact; ``none`` (no compressor) stays the default and the only
 mode ``gradsync verify`` calls exact. Measured ratios, errors and how to choose:
 docs/slow_links.md.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from ...errors import UsageError
 from .base import CompressionStats, Compressor, gradient_distance
+from .buckets import CompressedBuckets
 from .powersgd import PowerSGDCompressor
 from .quantized import HalfPrecisionCompressor, Int8Compressor, QuantizedCompressor
 
@@ -59,6 +62,7 @@ def _positive_int(arg: str, spec: str) -> int:
 __all__ = [
     "COMPRESSION_CHOICES",
     "COMPRESSION_HELP",
+    "CompressedBuckets",
     "CompressionStats",
     "Compressor",
     "HalfPrecisionCompressor",

@@ -50,10 +50,10 @@ def slice_bounds(numel: int, world: int, align: int) -> list[tuple[int, int]]:
 
 
 class _KeyState:
-    __slots__ = ("numel", "world", "residual", "owner_residual")
+    __slots__ = ("shapes", "world", "residual", "owner_residual")
 
-    def __init__(self, numel, world, residual, owner_residual):
-        self.numel, self.world = numel, world
+    def __init__(self, shapes, world, residual, owner_residual):
+        self.shapes, self.world = shapes, world  # the layout the residuals belong to
         self.residual, self.owner_residual = residual, owner_residual
 
 
@@ -78,11 +78,13 @@ class QuantizedCompressor(Compressor):
         sizes = [self.codec.nbytes(hi - lo) for lo, hi in bounds]
         return sum(sizes) - sizes[rank] + (world - 1) * sizes[rank]
 
-    def _state_for(self, key, numel, world, rank, bounds, dtype, device) -> _KeyState:
+    def _state_for(self, key, shapes, world, rank, bounds, dtype, device) -> _KeyState:
+        numel = bounds[-1][1]
+        shapes = [tuple(s) for s in shapes]
         st = self._keys.get(key)
-        if st is None or st.numel != numel or st.world != world:  # new key or new layout
+        if st is None or st.shapes != shapes or st.world != world:  # new key or new layout
             lo, hi = bounds[rank]
-            st = _KeyState(numel, world, None, None)
+            st = _KeyState(shapes, world, None, None)
             if self.error_feedback:
                 st.residual = torch.zeros(numel, dtype=dtype, device=device)
                 st.owner_residual = torch.zeros(hi - lo, dtype=dtype, device=device)
@@ -95,7 +97,7 @@ class QuantizedCompressor(Compressor):
         bounds = slice_bounds(n, world, codec.align)
         sizes = [codec.nbytes(hi - lo) for lo, hi in bounds]
         offsets = [sum(sizes[:j]) for j in range(world)]
-        st = self._state_for(key, n, world, rank, bounds, acc, x.device)
+        st = self._state_for(key, shapes, world, rank, bounds, acc, x.device)
         # x is overwritten by the result at the end, so it holds local + residual meanwhile
         # (a fresh bucket-sized buffer would cost its page faults on every call)
         local = x if x.dtype == acc else x.to(acc)
@@ -149,7 +151,7 @@ class QuantizedCompressor(Compressor):
     def _state(self) -> dict:
         keys = {}
         for key, st in self._keys.items():
-            entry = {"numel": st.numel, "world": st.world}
+            entry = {"shapes": [list(s) for s in st.shapes], "world": st.world}
             if st.residual is not None:
                 entry["residual"] = st.residual.clone()
                 entry["owner_residual"] = st.owner_residual.clone()
@@ -159,7 +161,7 @@ class QuantizedCompressor(Compressor):
     def _load(self, state: dict) -> None:
         self._keys = {}
         for key, entry in state.get("keys", {}).items():
-            st = _KeyState(entry["numel"], entry["world"], None, None)
+            st = _KeyState([tuple(s) for s in entry["shapes"]], entry["world"], None, None)
             if self.error_feedback and "residual" in entry:
                 st.residual = entry["residual"].clone()
                 st.owner_residual = entry["owner_residual"].clone()
