@@ -41,6 +41,16 @@ _LAZY = {
     "clip_grad_norm_": "gradsync.engine.clip",
     "SyncBatchNorm": "gradsync.engine.sync_batchnorm",
     "convert_sync_batchnorm": "gradsync.engine.sync_batchnorm",
+    "DiLoCo": "gradsync.engine.diloco",
+    "StreamingDiLoCo": "gradsync.engine.streaming_diloco",
+    "parse_compression": "gradsync.engine.compress",
+    "gradient_distance": "gradsync.engine.compress",
+    "Compressor": "gradsync.engine.compress",
+    "CompressedBuckets": "gradsync.engine.compress",
+    "CompressionStats": "gradsync.engine.compress",
+    "HalfPrecisionCompressor": "gradsync.engine.compress",
+    "Int8Compressor": "gradsync.engine.compress",
+    "PowerSGDCompressor": "gradsync.engine.compress",
 }
 
 __all__ = [
