@@ -17,8 +17,9 @@ import torch
 
 import gradsync as gs
 from gradsync.engine import comm
-from gradsync.engine.algorithms import ALGORITHMS, HostTopology, hierarchical, server
+from gradsync.engine.algorithms import ALGORITHMS, HostTopology, hierarchical, ring, server, tree
 from gradsync.errors import UsageError
+from gradsync.plan.two_level import schedule
 
 SIZES = (1, 5, 103)
 
@@ -93,9 +94,42 @@ def _worker(world: int):
             bad()
         except UsageError as e:
             errors.append(str(e))
+    sent = _record_sends(tops) if world == 4 else None
     for top in tops.values():
         top.close()
-    return results, launches, shard, (t, other), errors
+    return results, launches, shard, (t, other), errors, sent
+
+
+def _record_sends(tops):
+    """The (destination, bytes) of every message this rank sends, per round, per algorithm."""
+    import torch.distributed as dist
+
+    seen = []
+    originals = {m: m.exchange for m in (ring, tree, server)}
+
+    def recording(original):
+        def exchange(sends, recvs, group, finish=None):
+            peers = [(r if group is None else dist.get_global_rank(group, r),
+                      t.numel() * t.element_size()) for t, r in sends]
+            if peers:
+                seen.append(sorted(peers))
+            return original(sends, recvs, group, finish)
+        return exchange
+
+    runs = {"ring": ring.all_reduce_, "tree": tree.all_reduce_, "server": server.all_reduce_,
+            "hierarchical": lambda t: hierarchical.all_reduce_(t, tops[2])}
+    out = {}
+    try:
+        for m, original in originals.items():
+            m.exchange = recording(original)
+        for name, run in runs.items():
+            seen.clear()
+            run(torch.ones(48, dtype=torch.float64))
+            out[name] = list(seen)
+    finally:
+        for m, original in originals.items():
+            m.exchange = original
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -131,6 +165,12 @@ def test_every_algorithm_is_bitwise_identical_across_ranks_and_exact(world):
         assert len(msgs) == 3, msgs
         assert "positive divisor" in msgs[0] and "contiguous" in msgs[1]
         assert "do not divide" in msgs[2]
+    if world == 4:  # the planner prices exactly the messages the engine sends
+        for r, res in enumerate(out):
+            for name, sends in res[5].items():
+                planned = [sorted((d, b) for s, d, b in rnd if s == r)
+                           for rnd in schedule(name, 48 * 8, 2, 2)]
+                assert sends and sends == [p for p in planned if p], f"{name} rank {r}"
 
 
 def test_algorithms_import_nothing_above_the_engine():
