@@ -31,7 +31,7 @@ import torch
 from ...errors import UsageError
 from .. import comm
 from . import ring
-from ._steps import chunk_bounds, flat_view
+from .rounds import chunk_bounds, flat_view
 from .topology import HostTopology
 
 AllReduce = Callable[..., None]

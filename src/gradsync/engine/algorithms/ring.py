@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ._steps import chunk_bounds, exchange, flat_view, group_rank_size
+from .rounds import chunk_bounds, exchange, flat_view, group_rank_size
 
 
 def reduce_scatter_chunks_(flat: torch.Tensor, bounds, group) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from ...errors import UsageError
 from .. import comm
-from ._steps import exchange, flat_view, group_rank_size
+from .rounds import exchange, flat_view, group_rank_size
 
 
 def all_reduce_(tensor: torch.Tensor, group=None, *, tag: str = "server", root: int = 0) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ._steps import exchange, flat_view, group_rank_size
+from .rounds import exchange, flat_view, group_rank_size
 
 
 def all_reduce_(tensor: torch.Tensor, group=None, *, tag: str = "tree") -> None:

@@ -46,9 +46,14 @@ def group_rank_size(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def exchange(sends, recvs, group, finish=None) -> None:
+def exchange(sends, recvs, group, finish=None, p2p_tag: int = P2P_TAG) -> None:
     """One blocking round: ``sends``/``recvs`` are ``[(tensor, group rank), ...]``.
 
+    Receives are posted before sends. On gloo that order decides whether a pair of
+    ranks sending to each other uses both directions of their one connection at
+    once: measured between two emulated hosts at 100 Mbit/s (4 MB each way, 5
+    repetitions), sends first took 609-705 ms, receives first 354-381 ms, the
+    link's rate. (``comm.exchange`` posts sends first, so this calls it twice.)
     Empty tensors are left out on both sides (each side computes the same sizes),
     so chunks of a tensor smaller than the group cost no message.
     """
@@ -59,4 +64,13 @@ def exchange(sends, recvs, group, finish=None) -> None:
             finish()
         return
     first = (sends or recvs)[0][0]
-    comm.exchange("p2p", first, sends, recvs, group=group, p2p_tag=P2P_TAG, finish=finish)
+    incoming = None
+    if recvs:
+        incoming = comm.exchange("p2p", first, [], recvs, group=group, p2p_tag=p2p_tag,
+                                 async_op=True)
+    if sends:
+        comm.exchange("p2p", first, sends, [], group=group, p2p_tag=p2p_tag)
+    if incoming is not None:
+        incoming.wait()
+    if finish is not None:
+        finish()
