@@ -85,7 +85,7 @@ def _time_pair(pair: tuple[int, int], sizes: Sequence[int], reps: int, warmup: i
         buf_out, buf_in = torch.ones(n // 4), torch.empty(n // 4)
         peer = pair[1] if me == pair[0] else pair[0]
 
-        def once():
+        def once(buf_out=buf_out, buf_in=buf_in, peer=peer):
             exchange([(buf_out, peer)], [(buf_in, peer)], None)
 
         times = []

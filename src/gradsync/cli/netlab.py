@@ -19,9 +19,9 @@ from ..errors import UsageError
 EPILOG = """\
 examples:
   gradsync netlab check
-  gradsync netlab run --hosts 2 --procs-per-host 1 --rate 100mbit -- -m gradsync.train --model mlp --steps 5
+  gradsync netlab run --hosts 2 --rate 100mbit -- -m gradsync.train --model mlp --steps 5
   gradsync netlab run --hosts 3 --rate 1gbit -- my_script.py --flag
-  gradsync netlab calibrate --hosts 2 --procs-per-host 2 --rate 100mbit --out links.json --png links.png
+  gradsync netlab calibrate --hosts 2 --procs-per-host 2 --rate 100mbit --png links.png
   gradsync netlab clean          # remove namespaces left by killed invocations
 Rates are tc's: 100mbit, 400mbit, 1gbit (bits per second; also 12.5MB/s)."""
 
@@ -58,7 +58,8 @@ def register(subparsers, help_line: str):
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _lab_flags(c)
     c.set_defaults(procs_per_host=2)
-    c.add_argument("--quick", action="store_true", help="4 KB..4 MB in 5 sizes (default 4 KB..16 MB in 7)")
+    c.add_argument("--quick", action="store_true",
+                   help="4 KB..4 MB in 5 sizes (default 4 KB..16 MB in 7)")
     c.add_argument("--reps", type=int, default=5, help="repetitions per size (default 5)")
     c.add_argument("--out", default="links.json", metavar="FILE",
                    help="the link calibration, JSON (default links.json)")
