@@ -201,9 +201,7 @@ def run_check(args) -> int:
                      f"{len(dead)} namespaces (gradsync netlab clean)" if dead else "none"))
     print_table(check_table(rows))
     if not usable:
-        print(f"gradsync netlab check: error: {unavailable_reason() or 'netlab cannot run'}",
-              file=sys.stderr)
-        return 2
+        raise UsageError(unavailable_reason() or "netlab cannot build hosts here (see above)")
     return 0
 
 
