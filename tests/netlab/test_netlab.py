@@ -72,6 +72,18 @@ def test_cli_run_hierarchical_all_reduce_two_hosts_of_two(capsys):
         assert f["agent"] == f"[h{f['host']}]"
 
 
+def test_a_failed_host_stops_its_peers_after_the_grace():
+    with Netlab(2, "1gbit") as lab:
+        t0 = time.monotonic()
+        results = lab.run([["sh", "-c", "echo bye; exit 3"], ["sleep", "60"]], timeout=60,
+                          grace_s=1.0)
+        assert time.monotonic() - t0 < 20
+        assert lab.namespaces == _mine(lab)
+    assert (results[0].returncode, results[0].stdout) == (3, "bye\n")
+    assert results[1].returncode is None and not results[1].timed_out
+    assert _mine(lab) == []
+
+
 def _holder(hosts: int):
     p = subprocess.Popen([sys.executable, HERE / "holder.py", str(hosts)],
                          stdout=subprocess.PIPE, text=True)

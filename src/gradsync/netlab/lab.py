@@ -188,8 +188,8 @@ class Netlab:
             for p in self._procs:
                 _terminate(p)
             self._procs = []
-            cleanup.remove([ns for ns in self.namespaces if ns in cleanup.with_prefix(
-                self.prefix)])
+            existing = set(cleanup.with_prefix(self.prefix))
+            cleanup.remove([ns for ns in self.namespaces if ns in existing])
         finally:
             self._up = False
             if self._reaper is not None:
@@ -255,15 +255,16 @@ class Netlab:
             procs.append(p)
             outs.append(out)
         deadline = time.monotonic() + timeout
+        stop_at = deadline  # earlier once a host failed: its peers get grace_s
         killed = [False] * len(procs)
         timed_out = False
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
-            if now > deadline:
-                timed_out = True
+            if now > stop_at:
+                timed_out = now > deadline
                 break
             if any(p.poll() not in (None, 0) for p in procs):
-                deadline = min(deadline, now + grace_s)
+                stop_at = min(stop_at, now + grace_s)
             time.sleep(0.05)
         for i, p in enumerate(procs):
             if p.poll() is None:

@@ -32,7 +32,8 @@ def results_table(results: list[HostResult]) -> Table:
     for r in results:
         code = "killed (timeout)" if r.timed_out else ("killed" if r.returncode is None
                                                         else str(r.returncode))
-        lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+        lines = [ln for ln in r.stdout.splitlines() if ln.strip()] or [
+            ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("[W")]
         t.add_row(f"h{r.host}", code, lines[-1][:90] if lines else "")
     return t
 
