@@ -9,6 +9,12 @@ one operation, messages between a pair of ranks are matched in the order posted,
 which is the same on both sides by construction; two operations on one group at
 the same time (two threads) are not supported -- run them from one
 communication thread, in the same order on every rank.
+
+These rounds target gloo, the backend the project runs on CPU. With NCCL a send
+and a receive to the same peer issued as separate calls share one stream, which
+serialises them and can deadlock a pair sending to each other; a round there
+would have to be one ``dist.batch_isend_irecv``. Not done: there is no machine
+with two GPUs here to test it on.
 """
 
 from __future__ import annotations
