@@ -62,7 +62,7 @@ def test_cli_run_hierarchical_all_reduce_two_hosts_of_two(capsys):
     out = capsys.readouterr().out
     assert code == 0, out[-3000:]
     assert list_namespaces() == before
-    lines = [ln for ln in out.splitlines() if " rank=" in ln]
+    lines = [ln for ln in out.splitlines() if ln.startswith("[h") and " rank=" in ln]
     assert len(lines) == 4, out[-3000:]
     fields = [dict(kv.split("=") for kv in ln.split()[1:]) | {"agent": ln.split()[0]}
               for ln in lines]
@@ -174,3 +174,28 @@ def test_without_root_every_command_says_so_in_one_line(tmp_path):
         err = [ln for ln in stderr.splitlines() if ln.strip()]
         assert code == 2 and len(err) == 1, (argv, stderr)
         assert err[0].startswith("gradsync netlab: error: netlab needs root"), (argv, err)
+
+
+@pytest.mark.no_root
+def test_help_on_every_netlab_subcommand(capsys):
+    for sub in ("run", "calibrate", "check", "clean"):
+        with pytest.raises(SystemExit) as e:
+            main(["netlab", sub, "--help"])
+        assert e.value.code == 0 and "usage: gradsync netlab " + sub in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["run", "--hosts", "1", "--", "x.py"], "--hosts must be an integer from 2 to 64"),
+    (["run", "--rate", "fast", "--", "x.py"], "cannot read --rate 'fast'"),
+    (["run", "--procs-per-host", "0", "--", "x.py"], "--procs-per-host must be >= 1"),
+    (["run"], "nothing to run"),
+    (["calibrate", "--hosts", "1"], "--hosts must be >= 2"),
+    (["calibrate", "--reps", "0"], "--reps must be >= 1"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, argv, words):
+    before = list_namespaces()
+    code = main(["netlab", *argv])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and len(err) == 1 and words in err[0], err
+    assert err[0].startswith("gradsync netlab: error:")
+    assert list_namespaces() == before
