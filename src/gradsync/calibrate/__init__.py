@@ -2,7 +2,9 @@
 
 Unlike ``gradsync.plan`` (pure arithmetic), this package starts processes and
 runs the model; it writes the ``StepProfile`` the simulator reads, so plans are
-calibrated on the user's own hardware (issue 4, item 5).
+calibrated on the user's own hardware. ``links`` (imported by name, not here: it
+is also run as ``python -m gradsync.calibrate.links`` under torchrun) measures the
+intra- and inter-host links of hosts of several ranks for ``plan.two_level``.
 """
 
 from .backward import BackwardTiming, measure_single, measure_under_workers, time_passes

@@ -22,6 +22,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("simulate", "simulate one step's backward/all-reduce overlap and sweep bucket sizes"),
     ("calibrate", "measure this machine's alpha/beta and the model's backward; write a profile"),
     ("report", "write a run's report.html (loss, throughput, step timeline, memory, drift)"),
+    ("netlab", "emulated hosts joined by rate-limited links: run, calibrate, check, clean"),
 ]
 
 

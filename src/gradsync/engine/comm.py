@@ -8,6 +8,8 @@ observer registered the cost is one empty-list check per call.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,7 +103,7 @@ class Pending:
 
 
 def _launch(op: str, tensor: torch.Tensor, tag: str, meta: dict | None) -> CollectiveEvent | None:
-    if not _observers:
+    if not _observers or getattr(_composite, "depth", 0):
         return None
     ev = CollectiveEvent(op, tensor.numel() * tensor.element_size(), tag, time.perf_counter(),
                          meta=meta or {})
@@ -206,3 +208,27 @@ def exchange(op: str, tensor: torch.Tensor, sends, recvs, group=None, p2p_tag: i
         return work
 
     return _run(op, tensor, issue, async_op, tag, meta)
+
+
+_composite = threading.local()  # depth of composite() on this thread
+
+
+@contextlib.contextmanager
+def composite(op: str, tensor: torch.Tensor, tag: str = "", meta: dict | None = None):
+    """One observed collective ``op`` built of many point-to-point steps.
+
+    The reference algorithms (engine/algorithms/) move a tensor in rounds of
+    ``exchange`` calls; observers see one event for the whole operation, launched
+    on entry and complete on a normal exit, and not the steps issued inside on
+    this thread (so a bucket's all-reduce counts once whatever algorithm moves it).
+    Nested uses report only the outermost. Blocking: the event's wait is its whole
+    duration.
+    """
+    depth = getattr(_composite, "depth", 0)
+    ev = _launch(op, tensor, tag, meta) if depth == 0 else None
+    _composite.depth = depth + 1
+    try:
+        yield
+    finally:
+        _composite.depth = depth
+    Pending(None, ev, ev.start if ev is not None else None).wait()

@@ -6,6 +6,7 @@ comm.py       alpha-beta cost of ring/tree/hierarchical all-reduce, parameter se
 profile.py    the step profile the simulator reads (JSON, versioned), synthetic models
 simulate.py   event simulation of one step over the engine's own bucket plan; sweep
 calibrate_fit.py  least-squares alpha/beta from measured timings
+two_level.py  ring/tree/server/hierarchical all-reduce on hosts: intra and inter links
 units.py      parsing of counts, sizes, rates and times (GB = 1e9 bytes)
 
 Each returns dataclasses; ``gradsync.observe`` renders them (tables, PNGs, HTML).
@@ -18,10 +19,11 @@ from .comm import CommPlan, plan_comm
 from .memory import ActivationShape, MemoryPlan, plan_memory, resolve_param_count
 from .profile import ParamProfile, StepProfile, load_profile, synthetic_profile
 from .simulate import StepResult, Sweep, simulate_step, sweep_bucket_sizes
+from .two_level import AlgorithmCost, Link, TwoLevelTopology
 
 __all__ = [
-    "ActivationShape", "AlphaBetaFit", "BatchPlan", "CommPlan", "MemoryPlan", "ParamProfile",
-    "StepProfile", "StepResult", "Sweep", "fit_alpha_beta", "load_profile", "plan_batch",
-    "plan_comm", "plan_memory", "resolve_param_count", "simulate_step", "sweep_bucket_sizes",
-    "synthetic_profile",
+    "ActivationShape", "AlgorithmCost", "AlphaBetaFit", "BatchPlan", "CommPlan", "Link",
+    "MemoryPlan", "ParamProfile", "StepProfile", "StepResult", "Sweep", "TwoLevelTopology",
+    "fit_alpha_beta", "load_profile", "plan_batch", "plan_comm", "plan_memory",
+    "resolve_param_count", "simulate_step", "sweep_bucket_sizes", "synthetic_profile",
 ]

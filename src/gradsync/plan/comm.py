@@ -18,8 +18,10 @@ bandwidth). Collective costs follow Thakur, Rabenseifner and Gropp 2005
   all-gather, same cost as the reduce). It saves latency (2(M-1) inter-node
   alphas instead of 2(N-1)) but still sends the whole S around the leaders' ring,
   so on bandwidth-bound messages it is no faster than a flat ring whose slowest
-  link is the inter-node one. NCCL's bandwidth-optimal variant (each of a node's
-  g workers carries 1/g of the data across nodes in parallel) is not modelled;
+  link is the inter-node one. The bandwidth-optimal variant (each of a node's
+  g workers carries 1/g of the data across nodes in parallel), which
+  ``engine.algorithms.hierarchical`` runs, is priced round by round with separate
+  intra- and inter-host links in ``plan.two_level``;
 * parameter server: the server's ingress link carries one gradient from every
   worker, ``alpha + N*S*beta`` (egress back to the workers costs the same again).
 

@@ -1,0 +1,102 @@
+"""Tables and pictures for netlab measurements (measuring code never renders)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.table import Table
+
+from ..plan.two_level import ALGORITHMS, TwoLevelTopology, predict
+from ..plan.units import fmt_bytes, fmt_time
+
+if TYPE_CHECKING:
+    from ..calibrate.links import LinkCalibration
+    from .lab import HostResult
+
+
+def check_table(rows: list[tuple[str, bool | None, str]]) -> Table:
+    t = Table(title="gradsync netlab check")
+    for col in ("what", "status", "detail"):
+        t.add_column(col)
+    for what, ok, detail in rows:
+        status = "[green]ok[/]" if ok else ("[yellow]no (optional)[/]" if ok is None
+                                              else "[red]missing[/]")
+        t.add_row(what, status, detail)
+    return t
+
+
+def results_table(results: list[HostResult]) -> Table:
+    t = Table(title="netlab run: one torchrun agent per emulated host")
+    for col in ("host", "exit code", "last line"):
+        t.add_column(col)
+    for r in results:
+        code = "killed (timeout)" if r.timed_out else ("killed" if r.returncode is None
+                                                        else str(r.returncode))
+        lines = [ln for ln in r.stdout.splitlines() if ln.strip()] or [
+            ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("[W")]
+        t.add_row(f"h{r.host}", code, lines[-1][:90] if lines else "")
+    return t
+
+
+def links_table(cal: LinkCalibration) -> Table:
+    rate = f" at {cal.rate}" if cal.rate else ""
+    t = Table(title=f"Links of {cal.hosts} hosts x {cal.ranks_per_host} ranks{rate}: one "
+                    f"exchange of B bytes both ways = alpha + B / bandwidth "
+                    f"(median of {cal.reps})")
+    for col in ("link", "pair", "sizes", "alpha", "bandwidth", "R²", "max |resid|/t",
+                "at largest"):
+        t.add_column(col, justify="left" if col == "link" else "right")
+    for timing in (cal.intra, cal.inter):
+        if timing is None:
+            continue
+        f = timing.fit
+        t.add_row(timing.link, f"{timing.pair[0]}<->{timing.pair[1]}",
+                  f"{fmt_bytes(timing.nbytes[0])}..{fmt_bytes(timing.nbytes[-1])}",
+                  fmt_time(f.alpha_s), f"{f.bandwidth * 8 / 1e6:,.0f} Mbit/s",
+                  f"{f.r2:.3f}", f"{100 * f.max_rel_residual:.0f}%",
+                  fmt_time(timing.median_s[-1]))
+    if cal.intra is None:
+        t.caption = "one rank per host: no intra-host pair to time (the planner takes it as free)"
+    return t
+
+
+def prediction_table(topo: TwoLevelTopology, sizes: list[float]) -> Table:
+    t = Table(title=f"Predicted all-reduce time, {topo.hosts} hosts x {topo.ranks_per_host} "
+                    "ranks (plan.two_level with the links above)")
+    t.add_column("size", justify="right")
+    for a in ALGORITHMS:
+        t.add_column(a, justify="right")
+    t.add_column("fastest")
+    for n in sizes:
+        costs = {a: predict(a, n, topo) for a in ALGORITHMS}
+        best = min(costs.values(), key=lambda c: c.seconds)
+        t.add_row(fmt_bytes(n), *(fmt_time(costs[a].seconds) for a in ALGORITHMS),
+                  best.algorithm)
+    return t
+
+
+def links_png(cal: LinkCalibration, path: str) -> None:
+    from ..observe.plan_plots import _plt, _save
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for timing in (cal.intra, cal.inter):
+        if timing is None:
+            continue
+        (line,) = ax.plot(timing.nbytes, [1e3 * m for m in timing.median_s], "o",
+                          label=f"{timing.link} measured")
+        lo, hi = timing.nbytes[0], timing.nbytes[-1]
+        xs = [lo * (hi / lo) ** (k / 50) for k in range(51)]
+        ax.plot(xs, [1e3 * timing.fit.predict(x) for x in xs], "-", color=line.get_color(),
+                label=f"{timing.link} fit: {1e3 * timing.fit.alpha_s:.2f} ms + B / "
+                      f"{timing.fit.bandwidth * 8 / 1e6:,.0f} Mbit/s")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("message size, bytes")
+    ax.set_ylabel("exchange time, ms (median)")
+    ax.set_title(f"gradsync netlab calibrate: {cal.hosts} hosts x {cal.ranks_per_host} ranks"
+                 + (f", {cal.rate}" if cal.rate else ""))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+    plt.close(fig)

@@ -1,0 +1,191 @@
+"""Predicted all-reduce time on hosts of several ranks: a fast link inside, a slow one between.
+
+Every algorithm of ``gradsync.engine.algorithms`` is a fixed sequence of rounds of
+point-to-point messages; this module lists the same rounds (``schedule``) and
+prices them with two alpha-beta links (Hockney's model, one ``Link`` each for
+inside a host and between hosts, as ``gradsync netlab calibrate`` measures them):
+
+* a message between two ranks of one host costs ``intra.alpha + bytes * intra.beta``;
+* messages of one round that leave (enter) a host share that host's link: the
+  round's inter-host part costs ``inter.alpha + max over hosts of the bytes out of
+  (into) the host * inter.beta`` -- the emulated network limits each direction of
+  each host's link, and real NICs do;
+* a round lasts as long as its slowest part; rounds run one after the other.
+
+That one rule yields the textbook costs (Thakur, Rabenseifner and Gropp 2005) and
+what they leave out. With N = H g ranks, S bytes, and the ring laid out host by
+host (as torchrun numbers ranks), every ring round sends S/N across each host
+boundary: a flat ring costs ``2(N-1) (alpha_e + S/N beta_e)``. The hierarchical
+all-reduce sends S/g per rank in parallel across hosts, S/H per host per round:
+``2(g-1)(alpha_i + S/g beta_i) + 2(H-1)(alpha_e + S/H beta_e)``, i.e. a factor
+(N-1)/N / ((H-1)/H) less inter-host volume (1.5x at 2 hosts x 2 ranks) and 2(N-H)
+fewer inter-host latencies. The parameter server's root link receives (N-g) S
+from the other hosts in its first round and sends as much in its second: its time
+grows linearly with the workers while the ring's stays about 2 S beta_e.
+
+Not modelled: the CPU time of the additions, gloo's per-message overheads beyond
+alpha, TCP slow start, and contention of co-running ranks for the machine's cores.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import UsageError
+
+ALGORITHMS = ("ring", "tree", "server", "hierarchical")
+INNER = ("ring", "tree", "server")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One alpha-beta link: a message of n bytes costs ``alpha_s + n * beta_s_per_byte``."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def __post_init__(self) -> None:
+        for name in ("alpha_s", "beta_s_per_byte"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise UsageError(f"link {name} must be a number >= 0, got {v!r}")
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha_s + nbytes * self.beta_s_per_byte
+
+    @property
+    def bandwidth(self) -> float:
+        return math.inf if self.beta_s_per_byte == 0 else 1.0 / self.beta_s_per_byte
+
+
+@dataclass(frozen=True)
+class TwoLevelTopology:
+    """``hosts`` hosts of ``ranks_per_host`` ranks (rank r on host r // ranks_per_host)."""
+
+    hosts: int
+    ranks_per_host: int
+    intra: Link
+    inter: Link
+
+    def __post_init__(self) -> None:
+        for name in ("hosts", "ranks_per_host"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise UsageError(f"{name} must be an integer >= 1, got {v!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+
+Message = tuple[int, int, float]  # (source rank, destination rank, bytes)
+
+
+@dataclass(frozen=True)
+class AlgorithmCost:
+    algorithm: str
+    nbytes: float
+    seconds: float
+    rounds: int
+    max_host_out_bytes: float  # the busiest host link's bytes in one direction, all rounds
+    inter_rounds: int  # rounds with at least one inter-host message
+
+
+# -- schedules (global ranks; the engine's algorithms send exactly these messages) --------
+
+def _ring(members: list[int], nbytes: float) -> list[list[Message]]:
+    n = len(members)
+    if n == 1:
+        return []
+    step = [(members[i], members[(i + 1) % n], nbytes / n) for i in range(n)]
+    return [list(step) for _ in range(2 * (n - 1))]
+
+
+def _ring_half(members: list[int], nbytes: float) -> list[list[Message]]:
+    """Reduce-scatter (or all-gather) half of a ring: N-1 rounds of S/N per rank."""
+    return _ring(members, nbytes)[: len(members) - 1]
+
+
+def _tree(members: list[int], nbytes: float) -> list[list[Message]]:
+    n = len(members)
+    rounds, mask = [], 1
+    while mask < n:
+        rounds.append([(members[r + mask], members[r], nbytes)
+                       for r in range(0, n, 2 * mask) if r + mask < n])
+        mask <<= 1
+    return rounds + [[(d, s, b) for s, d, b in rnd] for rnd in reversed(rounds)]
+
+
+def _server(members: list[int], nbytes: float, root: int = 0) -> list[list[Message]]:
+    if len(members) == 1:
+        return []
+    others = [m for i, m in enumerate(members) if i != root]
+    return [[(m, members[root], nbytes) for m in others],
+            [(members[root], m, nbytes) for m in others]]
+
+
+_FLAT = {"ring": _ring, "tree": _tree, "server": _server}
+
+
+def _merge(parallel: list[list[list[Message]]]) -> list[list[Message]]:
+    """Schedules running at once on disjoint groups: round k is every group's round k."""
+    depth = max((len(s) for s in parallel), default=0)
+    return [[m for s in parallel if k < len(s) for m in s[k]] for k in range(depth)]
+
+
+def schedule(algorithm: str, nbytes: float, hosts: int, ranks_per_host: int,
+             inter: str = "ring") -> list[list[Message]]:
+    """The rounds of messages ``algorithm`` sends for an all-reduce of ``nbytes``."""
+    if nbytes < 0:
+        raise UsageError(f"message size must be >= 0 bytes, got {nbytes}")
+    g, world = ranks_per_host, hosts * ranks_per_host
+    if algorithm in _FLAT:
+        return _FLAT[algorithm](list(range(world)), nbytes)
+    if algorithm != "hierarchical":
+        raise UsageError(f"unknown algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
+    if inter not in INNER:
+        raise UsageError(f"unknown inter-host algorithm {inter!r}; choose from {', '.join(INNER)}")
+    hosts_ranks = [list(range(h * g, (h + 1) * g)) for h in range(hosts)]
+    columns = [[h * g + j for h in range(hosts)] for j in range(g)]
+    half = _merge([_ring_half(m, nbytes) for m in hosts_ranks])
+    across = _merge([_FLAT[inter](c, nbytes / g) for c in columns])
+    return half + across + half
+
+
+def round_time(messages: list[Message], topo: TwoLevelTopology) -> float:
+    """One round: intra-host messages each on their own, inter-host ones sharing host links."""
+    g = topo.ranks_per_host
+    intra = [b for s, d, b in messages if s // g == d // g]
+    out: dict[int, float] = {}
+    into: dict[int, float] = {}
+    for s, d, b in messages:
+        if s // g != d // g:
+            out[s // g] = out.get(s // g, 0.0) + b
+            into[d // g] = into.get(d // g, 0.0) + b
+    t = max((topo.intra.time(b) for b in intra), default=0.0)
+    if out:
+        t = max(t, topo.inter.time(max(max(out.values()), max(into.values()))))
+    return t
+
+
+def predict(algorithm: str, nbytes: float, topo: TwoLevelTopology,
+            inter: str = "ring") -> AlgorithmCost:
+    """Predicted time of one all-reduce of ``nbytes`` on ``topo``."""
+    rounds = schedule(algorithm, nbytes, topo.hosts, topo.ranks_per_host, inter)
+    g = topo.ranks_per_host
+    per_host = [0.0] * topo.hosts
+    inter_rounds = 0
+    for rnd in rounds:
+        crossing = [(s, b) for s, d, b in rnd if s // g != d // g]
+        inter_rounds += bool(crossing)
+        for s, b in crossing:
+            per_host[s // g] += b
+    return AlgorithmCost(algorithm, float(nbytes), sum(round_time(r, topo) for r in rounds),
+                         len(rounds), max(per_host), inter_rounds)
+
+
+def compare(nbytes: float, topo: TwoLevelTopology) -> tuple[AlgorithmCost, ...]:
+    """Every algorithm's predicted all-reduce time for ``nbytes`` on ``topo``, fastest first."""
+    return tuple(sorted((predict(a, nbytes, topo) for a in ALGORITHMS),
+                        key=lambda c: c.seconds))
