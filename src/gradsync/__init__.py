@@ -39,6 +39,14 @@ _LAZY = {
     "MixedPrecision": "gradsync.engine.precision",
     "MixedPrecisionOptimizer": "gradsync.engine.mixed_dp",
     "clip_grad_norm_": "gradsync.engine.clip",
+    "Strategy": "gradsync.engine.strategy",
+    "build_strategy": "gradsync.engine.strategy",
+    "register_strategy": "gradsync.engine.strategy",
+    "StepSampler": "gradsync.data.sampler",
+    "train": "gradsync.train.api",
+    "TrainConfig": "gradsync.train.config",
+    "TrainData": "gradsync.train.task",
+    "FaultInjector": "gradsync.train.faults",
 }
 
 __all__ = [

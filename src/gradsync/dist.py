@@ -195,3 +195,12 @@ def world_size() -> int:
 
 def is_main() -> bool:
     return rank() == 0
+
+
+def restart_count() -> int:
+    """How many times the elastic launcher has restarted this worker group (0: first launch)."""
+    raw = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        return int(raw)
+    except ValueError:
+        return 0

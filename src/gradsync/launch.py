@@ -105,6 +105,8 @@ def _failure_text(failure) -> str:
         return text + (f"\n{stack}" if stack and text not in ("", stack) else "")
     if failure.exitcode < 0:
         return f"killed by signal {failure.signal_name()}"
+    if failure.exitcode == gdist.CONNECT_EXIT_CODE:
+        return "could not connect to its peers: process-group set-up timed out"
     if not msg or "enable traceback" in msg:
         return f"exited with code {failure.exitcode} without raising a Python exception"
     return str(msg)
@@ -168,10 +170,13 @@ def _restore_signal_handlers():
 def launch(fn: Callable, nproc: int, args: tuple = (), *, backend: str | None = None,
            timeout_s: float | None = None, threads: int = 1,
            rdzv_endpoint: str = "localhost:0", nnodes: int = 1, run_id: str | None = None,
-           quiet: bool = True) -> dict[int, object]:
+           quiet: bool = True, max_restarts: int = 0) -> dict[int, object]:
     """Run ``fn(*args)`` on ``nproc`` local workers (of ``nnodes`` nodes) with the group set up.
 
-    Returns ``{global rank: return value}`` for this node's workers.
+    Returns ``{global rank: return value}`` for this node's workers. With
+    ``max_restarts`` the agent restarts every worker after a failure, up to that
+    many times (``fn`` must then continue from what it saved, as
+    ``gradsync train`` does); the error names the last attempt's failure.
     """
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise UsageError(f"number of worker processes must be an integer >= 1, got {nproc!r}")
@@ -181,7 +186,7 @@ def launch(fn: Callable, nproc: int, args: tuple = (), *, backend: str | None = 
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint,
         run_id=run_id or f"gradsync-{uuid.uuid4().hex[:12]}",
-        max_restarts=0, monitor_interval=0.05, start_method="forkserver",
+        max_restarts=max_restarts, monitor_interval=0.05, start_method="forkserver",
     )
     quiet_ctx = _quiet_elastic() if quiet else contextlib.nullcontext()
     with quiet_ctx, _restore_signal_handlers():
