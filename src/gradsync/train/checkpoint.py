@@ -201,4 +201,4 @@ def read_header(path: str) -> dict | None:
         raise CheckpointCorrupt(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
                                 "it may be truncated or from another program") from None
     return {k: state.get(k) for k in ("format", "version", "step", "world_size", "config",
-                                      "loss", "steps")}
+                                      "loss", "steps", "world_sizes")}

@@ -128,13 +128,15 @@ def maybe_evaluate(sess: Session, step: int) -> float | None:
 def evaluate(sess: Session) -> float:
     """The exact mean loss over the whole held-out set, the same number on every rank.
 
-    Rank ``r`` takes samples ``r, r + K, ...``; every rank runs the same number of
-    forwards (ZeRO-3 gathers parameters inside forward, a collective), a rank with
-    nothing left running one on sample 0 that counts for nothing.
+    Rank ``r`` takes samples ``r, r + K, ...``, a training step's share at a time
+    (no activations are kept for backward, so a forward of that size fits); every
+    rank runs the same number of forwards (ZeRO-3 gathers parameters inside
+    forward, a collective), a rank with nothing left running one on sample 0 that
+    counts for nothing.
     """
     data, task, model = sess.task.data.eval, sess.task, sess.strategy.model
     mine = list(range(sess.rank, len(data), sess.world))
-    m = sess.cfg.micro_batch
+    m = sess.cfg.global_batch // sess.world
     rounds = math.ceil(math.ceil(len(data) / sess.world) / m)
     was_training = model.training
     model.eval()
