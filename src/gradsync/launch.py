@@ -59,9 +59,11 @@ def _record_and_die(exc: BaseException) -> None:
     collectives fail only when this process is gone, so the agent always sees
     the root cause exit first and names the right rank.
     """
-    if _SECONDARY.search(f"{type(exc).__name__}: {exc}"):
+    if not isinstance(exc, KeyboardInterrupt) and _SECONDARY.search(f"{type(exc).__name__}: {exc}"):
         # A peer's death surfaced here as a broken connection. Give the agent time
         # to see the peer exit first, so the report names the cause, not the echo.
+        # (Not after SIGTERM/Ctrl-C: the agent is already stopping everyone, and a
+        # restart should not wait.)
         time.sleep(_ECHO_GRACE_S)
     try:
         ErrorHandler().record_exception(exc)

@@ -92,3 +92,16 @@ def test_three_kills_under_torchrun_end_bit_identical(tmp_path):
     print(f"\nkill -> resumed: {', '.join(f'{s:.1f} s' for s in resumed)}; kill -> training "
           f"again (a step completed): {', '.join(f'{s:.1f} s' for s in recovery)}")
     assert max(recovery) < 120
+
+
+def test_gradsync_train_max_restarts_continues_after_a_kill(tmp_path):
+    """The same with gradsync's own launcher: ``gradsync train --max-restarts 1``."""
+    out = tmp_path / "run"
+    args = [a for a in TRAIN[2:]]  # the flags, without "-m gradsync.train"
+    r = subprocess.run([sys.executable, "-m", "gradsync.cli", "train", *args, "--out", str(out),
+                        "--max-restarts", "1"], capture_output=True, text=True, timeout=180,
+                       cwd=ROOT, env=_env(GRADSYNC_FAULT="1:4:kill"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from step 4 of 10 (2 workers, was 2)" in r.stdout
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 10
+    assert [m["step"] for m in read_metrics(str(out / METRICS))[0]] == list(range(1, 11))

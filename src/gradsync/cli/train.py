@@ -147,11 +147,13 @@ def run(args) -> int:
     faults = FaultInjector.from_env()  # the edge: the loop only ever sees the object
     plan, lock = preflight(cfg)
     try:
+        if lock.note():
+            print(f"gradsync train: {lock.note()}")
         if plan.action == "finished":
             print(f"gradsync train: {cfg.out} already finished (step {plan.step} of "
                   f"{cfg.steps}); nothing to do. Pass a larger --steps to train further.")
             return 0
-        how = (f"continuing from step {plan.step} (checkpoint of {plan.was_world} workers)"
+        how = (f"continuing from step {plan.step}, checkpointed by {plan.was_world} workers"
                if plan.action == "resume" else "new run")
         print(f"gradsync train: {cfg.workers} workers, {cfg.model} on {cfg.data}, "
               f"{cfg.steps} steps, run directory {cfg.out} ({how})", flush=True)

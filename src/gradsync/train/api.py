@@ -146,6 +146,8 @@ def train(config: TrainConfig | dict | None = None, model=None, data=None, *,
         return run_worker(cfg.to_dict(), model_fn, data_fn, faults, prepared=False)
     plan, lock = preflight(cfg, model_fn)
     try:
+        if lock.note():
+            print(f"gradsync train: {lock.note()}", flush=True)
         if plan.action == "finished":
             print(f"gradsync train: {cfg.out} already finished (step {plan.step} of "
                   f"{cfg.steps}); nothing to do", flush=True)

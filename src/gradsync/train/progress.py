@@ -52,16 +52,17 @@ class RunDisplay:
         self.progress.update(self.task, completed=step, loss=loss, rate=rate, step_ms=step_s * 1e3)
         if eval_loss is not None:
             self.console.print(f"step {step}/{self.total}  eval loss {eval_loss:.4f}",
-                               highlight=False)
+                               highlight=False, soft_wrap=True)
         if not self.live and (step % self._every == 0 or step == self.total):
             self.console.print(
                 f"step {step}/{self.total}  loss {loss:.4f}  "
                 f"{rate:,.0f} {self.unit}/s  {step_s * 1e3:.0f} ms/step",
-                highlight=False,
+                highlight=False, soft_wrap=True,
             )
 
     def say(self, line: str) -> None:
-        self.console.print(line, highlight=False)
+        """One line, never wrapped (logs are read by people and by scripts)."""
+        self.console.print(line, highlight=False, soft_wrap=True)
 
     def summary(self, rows: list[tuple[str, str]], title: str) -> None:
         table = Table(title=title, show_header=False)

@@ -6,7 +6,7 @@ import dataclasses
 import os
 import time
 
-from ..rundir import SUMMARY, Summary, write_json
+from ..rundir import METRICS, SUMMARY, Summary, read_metrics, write_json
 from .instrument import drift_line, write_report_safely
 from .session import Session
 
@@ -16,6 +16,12 @@ def _median(values: list[float]) -> float | None:
         return None
     steady = sorted(values[min(3, len(values) - 1):])
     return steady[len(steady) // 2]
+
+
+def _skipped(sess: Session) -> list[int]:
+    """Steps whose update was skipped over the whole run (all attempts), from metrics.jsonl."""
+    rows, _ = read_metrics(os.path.join(sess.cfg.out, METRICS))
+    return sorted({r["step"] for r in rows if r.get("skipped")} | set(sess.skipped))
 
 
 def build_summary(sess: Session) -> Summary:
@@ -36,7 +42,7 @@ def build_summary(sess: Session) -> Summary:
         tokens_per_s=per_step_items, train_wall_s=time.perf_counter() - sess.loop_started,
         total_wall_s=time.perf_counter() - sess.started, checkpoint=sess.ckpt_path,
         buckets=len(strategy.bucket_plan), bucket_cap_mb=strategy.bucket_cap_mb,
-        skipped_steps=list(sess.skipped), memory=dataclasses.asdict(mem),
+        skipped_steps=_skipped(sess), memory=dataclasses.asdict(mem),
         drift=sess.inst.drift, traced_steps=list(sess.inst.window) if sess.inst.window else None,
         autotune=None if tuned is None else {"candidates_mb": tuned.candidates_mb,
                                              "median_s": tuned.median_s,

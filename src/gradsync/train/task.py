@@ -184,11 +184,14 @@ def estimate_checkpoint_bytes(cfg: TrainConfig, model_fn: Callable | None = None
     built on the meta device to count it). Parameters, optimizer state (AdamW: 2
     tensors per parameter, SGD: 1), an fp32 master copy with bf16, the full model
     beside the shards for ZeRO."""
+    fn = model_fn or (load_factory(cfg.model) if is_factory_spec(cfg.model) else None)
     try:
-        with torch.device("meta"):
-            fn = model_fn or (load_factory(cfg.model) if is_factory_spec(cfg.model) else None)
-            model = fn() if fn else (build_model("gpt", seq_len=cfg.seq_len)
-                                     if cfg.model == "gpt" else build_model(cfg.model))
+        if fn is None:  # built-in: small, and building for real skips meta's first-use cost (1 s)
+            model = (build_model("gpt", seq_len=cfg.seq_len) if cfg.model == "gpt"
+                     else build_model(cfg.model))
+        else:
+            with torch.device("meta"):
+                model = fn()
         tensors = list(model.parameters()) + list(model.buffers())
         size = sum(t.numel() * t.element_size() for t in tensors)
     except Exception:  # noqa: BLE001 - an estimate we cannot make is not an error
