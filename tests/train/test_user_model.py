@@ -106,3 +106,12 @@ def test_a_registered_strategy_plugs_in_with_its_hook_and_extra_state(tmp_path):
     final = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
     assert final["strategy_extra"] == {"updates": 5, "items": 60}
     assert results[1][2] is None  # rank 1 returns no summary
+
+
+def test_the_example_factories_train(tmp_path):
+    r = run_cli("--model", "examples.user_model:build_model", "--data",
+                "examples.user_model:build_data", "--steps", "3", "--eval-every", "3",
+                "--no-report", "--out", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["final_eval_loss"] is not None and summary["optimizer"] == "adamw"

@@ -15,6 +15,7 @@ the lock its killed predecessor held released by the kernel.
 import argparse
 import os
 import sys
+import traceback
 
 from .. import dist as gdist
 from ..errors import GradsyncError, UsageError
@@ -24,12 +25,26 @@ from .faults import FaultInjector
 from .loop import run_worker
 
 
+def _continue_hint(out: str) -> str:
+    from ..rundir import CHECKPOINT
+    from .checkpoint import read_header
+
+    try:
+        header = read_header(os.path.join(out, CHECKPOINT))
+    except UsageError:
+        header = None
+    where = f"from step {header['step']}" if header else "from the start (no checkpoint yet)"
+    return (f"gradsync.train: run the same torchrun command again to continue {where}: "
+            "resuming is automatic")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gradsync.train",
                                      description="gradsync training worker (run under torchrun)")
     add_arguments(parser, skip=("workers", "port", "max_restarts"))
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK", "?")
+    cfg = None
     try:
         cfg = from_args(args)
         if cfg.baseline:
@@ -48,11 +63,14 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:  # the agent stops the group with SIGTERM
         return 130
-    except GradsyncError as e:  # said in full by its message: no traceback
-        print(f"gradsync.train (rank {rank}): error: {type(e).__name__}: {e}", file=sys.stderr)
-        if rank == "0":
-            print("gradsync.train: run the same command again to continue from the last "
-                  "checkpoint (resuming is automatic)", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - said once, with the way to continue
+        if isinstance(e, GradsyncError):  # its message says it all: no traceback
+            print(f"gradsync.train (rank {rank}): error: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+        else:
+            traceback.print_exc()
+        if rank == "0" and cfg is not None:
+            print(_continue_hint(cfg.out), file=sys.stderr)
         return 1
     finally:
         gdist.shutdown()
