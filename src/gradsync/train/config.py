@@ -18,13 +18,9 @@ from ..engine.strategy import FIXED_BUCKETS, PRECISIONS, STRATEGIES
 from ..errors import UsageError
 from ..factory import is_factory_spec
 from ..models import MODELS
+from .builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
 
-DATASETS = {"pysrc": "Python standard library sources as tokens (offline)",
-            "random-tokens": "uniform random tokens (benchmarking)",
-            "teacher": "regression on a fixed random teacher layer"}
-DATA_FOR_MODEL = {"gpt": ("pysrc", "random-tokens"), "mlp": ("teacher",)}
-DEFAULT_DATA = {"gpt": "pysrc", "mlp": "teacher"}
-OPTIMIZER_CHOICES = ("auto", "adamw", "sgd")  # train/task.py's OPTIMIZERS, plus auto
+OPTIMIZER_CHOICES = ("auto", *OPTIMIZERS)
 RESUME_CHOICES = ("auto", "must", "never")
 NONFINITE_CHOICES = ("stop", "skip-step")
 

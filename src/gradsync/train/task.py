@@ -28,17 +28,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset
 
-from ..data import TokenWindows, random_tokens, stdlib_tokens
 from ..errors import UsageError
 from ..factory import factory_name, is_factory_spec, load_factory
 from ..models import build_model
+from .builtins import DATASETS, OPTIMIZERS, split_held_out
 from .config import TrainConfig
-
-TEACHER_SAMPLES = 4096
-HELD_OUT = 128  # held-out samples of a built-in dataset: fixed, so --eval-every never
-#                 changes what is trained on (a resume may switch evaluation on or off)
 
 
 @dataclass
@@ -96,46 +92,10 @@ def _sample_items(x, y) -> int:
     return int(x.shape[0])
 
 
-OPTIMIZERS: dict[str, Callable[[TrainConfig], tuple[type, dict]]] = {
-    "adamw": lambda cfg: (torch.optim.AdamW, {"lr": cfg.lr, "betas": (0.9, 0.95),
-                                              "weight_decay": 0.1}),
-    "sgd": lambda cfg: (torch.optim.SGD, {"lr": cfg.lr, "momentum": 0.9}),
-}
-
-
-class TeacherRegression(Dataset):
-    """Inputs ~ N(0, 1) and targets from a fixed random 'teacher' layer: learnable, offline."""
-
-    def __init__(self, n: int, width: int, seed: int):
-        g = torch.Generator().manual_seed(seed + 12345)
-        teacher = torch.randn(width, width, generator=g) / width**0.5
-        self.x = torch.randn(n, width, generator=g)
-        self.y = torch.tanh(self.x @ teacher)
-
-    def __len__(self) -> int:
-        return self.x.shape[0]
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
-
-
-def _split(dataset: Dataset) -> tuple[Dataset, Dataset | None]:
-    n = len(dataset)
-    held = min(HELD_OUT, n // 20)
-    if held < 1:
-        return dataset, None
-    return Subset(dataset, range(n - held)), Subset(dataset, range(n - held, n))
-
-
 def builtin_data(name: str, cfg: TrainConfig) -> TrainData:
-    if name == "pysrc":
-        train, held = _split(TokenWindows(stdlib_tokens().long(), cfg.seq_len))
-    elif name == "random-tokens":
-        train, held = _split(TokenWindows(random_tokens(2_000_000, seed=cfg.seed), cfg.seq_len))
-    elif name == "teacher":
-        train, held = _split(TeacherRegression(TEACHER_SAMPLES + HELD_OUT, 1024, cfg.seed))
-    else:
-        raise UsageError(f"unknown data {name!r}")
+    if name not in DATASETS:
+        raise UsageError(f"unknown data {name!r}; choose from {', '.join(DATASETS)}")
+    train, held = split_held_out(DATASETS[name][1](cfg.seq_len, cfg.seed))
     return complete(TrainData(train, held))
 
 
@@ -175,7 +135,7 @@ def build_task(cfg: TrainConfig, model_fn: Callable | None = None,
         model = build_model(cfg.model)
     data_fn = data_fn or (load_factory(cfg.data) if is_factory_spec(cfg.data) else None)
     data = complete(data_fn()) if data_fn is not None else builtin_data(cfg.data, cfg)
-    opt_cls, opt_kwargs = OPTIMIZERS[cfg.optimizer_name](cfg)
+    opt_cls, opt_kwargs = OPTIMIZERS[cfg.optimizer_name](cfg.lr)
     return Task(model, data, opt_cls, opt_kwargs, cfg.model, cfg.data)
 
 
