@@ -205,5 +205,6 @@ def _open_rank0(sess: Session) -> None:
     if sess.lock and sess.lock.note():
         sess.display.say(f"gradsync train: {sess.lock.note()}")
     if plan.action == "resume":
+        workers = "1 worker" if sess.world == 1 else f"{sess.world} workers"
         sess.display.say(f"gradsync train: resuming from step {sess.start_step} of {cfg.steps} "
-                         f"({sess.world} workers, was {plan.was_world})")
+                         f"({workers}, was {plan.was_world})")
