@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from .clip import clip_grad_norm_ as _clip_sharded
+from .clip import clip_grad_norm_ as _clip
 from .data_parallel import DataParallel
 from .fsdp import FullyShardedDataParallel
 from .memory import MemoryReport, report_data_parallel
@@ -89,13 +89,7 @@ class Strategy:
         every rank gets the same number.
         """
         limit = math.inf if not max_norm else float(max_norm)
-        target = self._clip_target()
-        if hasattr(target, "grad_shards"):
-            return _clip_sharded(target, limit)
-        params = [p for p in target.parameters() if p.grad is not None]
-        if not params:
-            return torch.zeros(())
-        return torch.nn.utils.clip_grad_norm_(params, limit)
+        return _clip(self._clip_target(), limit)
 
     def after_step(self, num_items: int) -> None:
         """Called after every optimizer step (not after a skipped one), on every rank.
@@ -110,16 +104,17 @@ class Strategy:
 
     @property
     def bucket_plan(self) -> tuple:
-        return tuple(getattr(self.model, "bucket_plan", ()) or ())
+        """The gradient buckets in use (after the first step's rebuild); () if none."""
+        return tuple(self.model.bucket_plan)
 
     @property
     def bucket_cap_mb(self) -> float | None:
-        cap = getattr(self.model, "bucket_cap_bytes", None)
-        return None if cap is None else cap / 2**20
+        return self.model.bucket_cap_bytes / 2**20
 
     @property
     def autotune_result(self):
-        return getattr(self.model, "autotune_result", None)
+        """What ``bucket_cap_mb="auto"`` measured and chose (None: a fixed cap)."""
+        return self.model.autotune_result
 
     # ----------------------------------------------------------------- checkpoints
     @property
@@ -183,6 +178,10 @@ class FullyShardedStrategy(Strategy):
 
     def memory_report(self) -> MemoryReport:
         return self.model.memory_report(self.optimizer)
+
+    bucket_plan = ()  # gradients are reduced per wrapped unit, not in buckets
+    bucket_cap_mb = None
+    autotune_result = None
 
     @property
     def checkpoint_target(self) -> tuple:
