@@ -25,13 +25,16 @@ given now.
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from .. import dist as gdist
 from ..data.sampler import StepSampler
+from ..engine import comm
 from ..engine.zero_checkpoint import load_sharded, save_sharded
 from ..errors import UsageError
 from ..rundir import SHARDS
@@ -149,8 +152,15 @@ def load(sess) -> int:
     return int(state["step"])
 
 
-def agree(value, src: int = 0):
-    """Rank ``src``'s (picklable) ``value`` on every rank."""
-    box = [value]
-    dist.broadcast_object_list(box, src)
-    return box[0]
+def agree(value, src: int = 0, device=None):
+    """Rank ``src``'s (picklable, small) ``value`` on every rank, through engine/comm."""
+    device = device or gdist.info().device
+    data = pickle.dumps(value) if dist.get_rank() == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    comm.broadcast(size, src, tag="agree_size")
+    if dist.get_rank() == src:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    comm.broadcast(buf, src, tag="agree")
+    return pickle.loads(buf.cpu().numpy().tobytes())
