@@ -42,7 +42,7 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(tmp_path):
     assert run_cli("train", *FAST, "--out", str(straight)).returncode == 0
     r = run_cli("train", *FAST, "--out", str(broken), env={"GRADSYNC_FAULT": "1:4:raise"})
     assert r.returncode == 1
-    assert "worker rank 1 failed: injected fault" in r.stderr
+    assert "error: injected fault on rank 1 at step 5 (worker rank 1)" in r.stderr
     assert "continue from step 3 with: gradsync train --steps 6" in r.stderr
     assert torch.load(broken / "checkpoint.pt", weights_only=False)["step"] == 3
     r = run_cli("train", *FAST, "--out", str(broken))  # the same command continues

@@ -28,7 +28,7 @@ multi-node (same flags, launched by torchrun on every node):
            --rdzv-endpoint HOST0:29500 -m gradsync.train --steps 300 --out /shared/runs/a
 """
 
-# errors whose message says it all: printed without their traceback
+# errors whose message says it all: printed first, without their traceback
 _PLAIN = ("NonFiniteError", "StorageError", "InjectedFault")
 
 
@@ -127,8 +127,7 @@ def _report_failure(cfg, err: WorkerFailedError) -> None:
     first = str(err).splitlines()[0]
     m = re.match(r"worker rank (\d+) failed: (\w+): (.*)", first)
     if m and m.group(2) in _PLAIN:
-        print(f"gradsync train: error: worker rank {m.group(1)} failed: {m.group(3)}",
-              file=sys.stderr)
+        print(f"gradsync train: error: {m.group(3)} (worker rank {m.group(1)})", file=sys.stderr)
     else:
         print(f"gradsync train: error: {err}", file=sys.stderr)
     print(f"gradsync train: {_where(cfg)}", file=sys.stderr)
