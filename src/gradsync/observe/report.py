@@ -3,7 +3,7 @@
 Self-contained means it opens from a laptop's disk, attached to a ticket, on a
 machine with no network: figures are inline base64 PNGs, the style and the one
 small script are inline, nothing is fetched. The same PNGs are written beside the
-page for slides and issues. What the run did not produce (a cut-off run, no
+page for slides and tickets. What the run did not produce (a cut-off run, no
 trace, no planner) is stated on the page and returned in ``missing`` so the
 CLI can print it too.
 """
