@@ -84,6 +84,7 @@ def run_step(sess: Session, step: int) -> StepRecord:
         strategy.optimizer.zero_grad(set_to_none=True)
     step_s = time.perf_counter() - t0
     sess.step_times.append(step_s)
+    figures = sess.inst.step_figures(stats, step_s)  # the step's own, before any evaluation
     sess.inst.end_step(step)
     stop = problem is not None and cfg.on_nonfinite == "stop"
     eval_loss = None if stop else maybe_evaluate(sess, step)
@@ -96,7 +97,7 @@ def run_step(sess: Session, step: int) -> StepRecord:
                      time_s=time.perf_counter() - sess.loop_started, unix_time=time.time(),
                      samples_per_s=cfg.global_batch / step_s,
                      tokens_per_s=rate if sess.unit == "tokens" else None,
-                     **sess.inst.step_figures(stats, step_s))
+                     **figures)
     if sess.baseline_rate:
         rec.scaling_efficiency = rec.samples_per_s / (sess.world * sess.baseline_rate)
     if sess.rank == 0:
