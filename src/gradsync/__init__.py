@@ -51,6 +51,14 @@ _LAZY = {
     "HalfPrecisionCompressor": "gradsync.engine.compress",
     "Int8Compressor": "gradsync.engine.compress",
     "PowerSGDCompressor": "gradsync.engine.compress",
+    "Strategy": "gradsync.engine.strategy",
+    "build_strategy": "gradsync.engine.strategy",
+    "register_strategy": "gradsync.engine.strategy",
+    "StepSampler": "gradsync.data.sampler",
+    "train": "gradsync.train.api",
+    "TrainConfig": "gradsync.train.config",
+    "TrainData": "gradsync.train.task",
+    "FaultInjector": "gradsync.train.faults",
 }
 
 __all__ = [

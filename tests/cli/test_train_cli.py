@@ -42,13 +42,17 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(tmp_path):
     assert run_cli("train", *FAST, "--out", str(straight)).returncode == 0
     r = run_cli("train", *FAST, "--out", str(broken), env={"GRADSYNC_FAULT": "1:4:raise"})
     assert r.returncode == 1
-    assert "worker rank 1 failed" in r.stderr and "injected fault" in r.stderr
+    assert "error: injected fault on rank 1 at step 5 (worker rank 1)" in r.stderr
+    assert "continue from step 3 with: gradsync train --steps 6" in r.stderr
     assert torch.load(broken / "checkpoint.pt", weights_only=False)["step"] == 3
-    r = run_cli("train", *FAST, "--out", str(broken), "--resume")
+    r = run_cli("train", *FAST, "--out", str(broken))  # the same command continues
     assert r.returncode == 0, r.stderr
+    assert "resuming from step 3 of 6 (2 workers, was 2)" in r.stdout
     a = torch.load(straight / "checkpoint.pt", weights_only=False)["model"]
     b = torch.load(broken / "checkpoint.pt", weights_only=False)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(x)["step"] for x in (broken / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the lost step 4 was cut, not kept twice
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
@@ -63,7 +67,7 @@ def test_sharded_strategies_resume_exactly(tmp_path, strategy):
     assert float(held["gradients"]) > 0 and float(held["optimizer state"]) > 0, r.stdout
     r = run_cli("train", *args, "--out", str(broken), env={"GRADSYNC_FAULT": "0:4:raise"})
     assert r.returncode == 1 and "injected fault" in r.stderr
-    assert run_cli("train", *args, "--out", str(broken), "--resume").returncode == 0
+    assert run_cli("train", *args, "--out", str(broken)).returncode == 0
     a = torch.load(straight / "checkpoint.pt", weights_only=False)
     b = torch.load(broken / "checkpoint.pt", weights_only=False)
     assert a["optimizer_shards"] and b["step"] == 6
@@ -111,11 +115,13 @@ def test_ctrl_c_keeps_last_checkpoint_and_leaves_no_temporary_files(tmp_path):
 
 @pytest.mark.parametrize("args,expect", [
     (["--global-batch", "30", "--micro-batch", "8"], "not a multiple"),
-    (["--workers", "2", "--data", "random-tokens", "--seq-len", "1500000"], "at least one"),
+    (["--workers", "2", "--data", "random-tokens", "--seq-len", "1500000"],
+     "fewer than one global batch"),
     (["--model", "mlp", "--data", "pysrc"], "does not fit"),
     (["--steps", "0"], "--steps must be"),
-    (["--bucket-mb", "-3"], "--bucket-mb must be"),
-    (["--bucket-mb", "auto", "--strategy", "zero1"], "needs --strategy ddp"),
+    (["--bucket-cap-mb", "-3"], "--bucket-cap-mb must be"),
+    (["--bucket-mb", "auto", "--strategy", "zero1"], "needs --strategy ddp"),  # the old name
+    (["--model", "tests.train.factories:tiny64"], "needs --data"),
 ] + ([] if torch.cuda.is_available() else [(["--backend", "nccl"], "needs CUDA")]))
 def test_bad_arguments_exit_2_with_one_line(args, expect, tmp_path):
     r = run_cli("train", *args, "--out", str(tmp_path / "x"))
@@ -124,10 +130,11 @@ def test_bad_arguments_exit_2_with_one_line(args, expect, tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("flag", [["--backend", "mpi"], ["--model", "resnet"]])
-def test_unknown_choice_rejected_by_parser(flag):
+@pytest.mark.parametrize("flag,expect", [(["--backend", "mpi"], "invalid choice"),
+                                         (["--model", "resnet"], "unknown model 'resnet'")])
+def test_unknown_choice_rejected_by_parser(flag, expect):
     r = run_cli("train", *flag)
-    assert r.returncode == 2 and "invalid choice" in r.stderr
+    assert r.returncode == 2 and expect in r.stderr
 
 
 def test_port_in_use_is_a_clear_error(tmp_path):
@@ -139,11 +146,22 @@ def test_port_in_use_is_a_clear_error(tmp_path):
     assert r.returncode == 2 and f"port {port}" in r.stderr and "already in use" in r.stderr
 
 
-def test_existing_checkpoint_needs_resume(tmp_path):
+def test_resume_modes_and_a_finished_run(tmp_path):
     out = tmp_path / "run"
+    r = run_cli("train", *FAST, "--out", str(out), "--resume")  # must: nothing to continue
+    assert r.returncode == 2 and "--resume: no checkpoint" in r.stderr
     assert run_cli("train", *FAST, "--out", str(out)).returncode == 0
-    r = run_cli("train", *FAST, "--out", str(out))
-    assert r.returncode == 2 and "--resume" in r.stderr
+    files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.suffix != ".lock"}
+    r = run_cli("train", *FAST, "--out", str(out))  # finished: says so, changes nothing
+    assert r.returncode == 0 and "already finished (step 6 of 6); nothing to do" in r.stdout
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name in files} == files
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_loss"] is not None
+    r = run_cli("train", *FAST, "--out", str(out), "--resume", "never")
+    assert r.returncode == 2 and "already holds a checkpoint (step 6)" in r.stderr
+    r = run_cli("train", *FAST, "--out", str(out), "--seed", "1", "--steps", "8")
+    assert r.returncode == 2 and "different run: --seed was 0, now 1" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_help_on_every_subcommand():

@@ -1,11 +1,16 @@
-"""`gradsync train`: launch K workers with torch's elastic launcher and train a built-in model."""
+"""`gradsync train`: launch K workers with torch's elastic launcher and train a model.
+
+Everything checkable is checked here, before any worker starts (flags, data size,
+the run directory, the lock, the checkpoint's configuration and checksums), and
+said in one line with exit code 2. A failure after launch says what failed first
+and ends with the command that continues the run (resuming is automatic).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
-import socket
+import shlex
 import sys
 
 from ..errors import UsageError, WorkerFailedError
@@ -13,11 +18,18 @@ from ..errors import UsageError, WorkerFailedError
 EPILOG = """examples:
   gradsync train                                   # 2 workers, small GPT on Python stdlib sources
   gradsync train --workers 4 --global-batch 64 --micro-batch 8 --steps 500
-  gradsync train --out runs/a --resume             # continue an interrupted run
+  gradsync train --out runs/a                      # again: continues runs/a where it stopped
+  gradsync train --out runs/a --workers 3          # ... on 3 workers, exactly the same steps
+  gradsync train --model my_pkg.nets:build --data my_pkg.data:build
+elastic (restarts every worker from the last checkpoint after a failure):
+  torchrun --standalone --nproc-per-node 2 --max-restarts 3 -m gradsync.train --out runs/a
 multi-node (same flags, launched by torchrun on every node):
-  torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \\
-           --rdzv-endpoint HOST0:29500 -m gradsync.train --steps 300
+  torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \\
+           --rdzv-endpoint HOST0:29500 -m gradsync.train --steps 300 --out /shared/runs/a
 """
+
+# errors whose message says it all: printed first, without their traceback
+_PLAIN = ("NonFiniteError", "StorageError", "InjectedFault")
 
 
 def register(sub, help_line: str) -> argparse.ArgumentParser:
@@ -35,44 +47,41 @@ def register(sub, help_line: str) -> argparse.ArgumentParser:
     return p
 
 
-def _check_port_free(port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            raise UsageError(
-                f"port {port} on localhost is already in use; choose another "
-                "--port or leave it out to pick a free one"
-            ) from None
+def continue_command(cfg) -> str:
+    """The command line that continues this run (the same one; resume is automatic)."""
+    argv = sys.argv[1:]
+    if argv[:1] != ["train"]:
+        return f"gradsync train --out {shlex.quote(cfg.out)}"
+    keep, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a in ("--resume=never", "--resume=auto"):
+            continue
+        if a == "--resume" and i + 1 < len(argv) and argv[i + 1] in ("never", "auto"):
+            skip = True
+            continue
+        keep.append(a)
+    if "--out" not in keep and not any(a.startswith("--out=") for a in keep):
+        keep += ["--out", cfg.out]
+    return "gradsync " + shlex.join(keep)
 
 
-def preflight(cfg) -> None:
-    """Everything that can be checked before starting processes, checked once, clearly."""
-    from .. import dist as gdist
-    from ..train.checkpoint import CHECKPOINT
-    from ..train.data_setup import dataset_for
+def _where(cfg) -> str:
+    """Where the run stands: the last complete checkpoint, if any."""
+    from ..rundir import CHECKPOINT
+    from ..train.checkpoint import read_header
 
-    cfg.accumulation(cfg.workers)
-    gdist.resolve_backend(cfg.backend)
-    try:
-        n = len(dataset_for(cfg))
-    except ValueError as e:  # e.g. a sequence longer than the whole corpus
-        raise UsageError(f"--data {cfg.data}: {e}") from None
-    if n < cfg.workers:
-        raise UsageError(
-            f"{cfg.workers} workers but only {n} samples in --data {cfg.data}: "
-            "every worker needs at least one"
-        )
     ckpt = os.path.join(cfg.out, CHECKPOINT)
-    if cfg.resume and not os.path.exists(ckpt):
-        raise UsageError(f"--resume: no checkpoint at {ckpt}")
-    if not cfg.resume and os.path.exists(ckpt):
-        raise UsageError(
-            f"{cfg.out} already holds a checkpoint; pass --resume to continue it "
-            "or choose another --out"
-        )
-    if cfg.port:
-        _check_port_free(cfg.port)
+    try:
+        header = read_header(ckpt)
+    except UsageError:
+        header = None
+    if header is None:
+        return "no checkpoint had been written yet; the same command starts again"
+    return (f"the last complete checkpoint ({ckpt}, step {header['step']}) is intact; "
+            f"continue from step {header['step']} with: {continue_command(cfg)}")
 
 
 def baseline_config(cfg):
@@ -89,10 +98,10 @@ def baseline_config(cfg):
                    steps=cfg.baseline_steps, warmup=min(cfg.warmup, cfg.baseline_steps),
                    out=os.path.join(cfg.out, "baseline"), trace=False, trace_steps="",
                    drift_every=0, baseline=False, no_report=True, checkpoint_every=0,
-                   resume=False, port=0)
+                   eval_every=0, resume="auto", port=0, max_restarts=0)
 
 
-def _run_baseline(cfg) -> None:
+def _run_baseline(cfg, model_fn=None, data_fn=None) -> None:
     from ..launch import launch
     from ..train.loop import run_worker
 
@@ -104,57 +113,64 @@ def _run_baseline(cfg) -> None:
         import shutil
 
         shutil.rmtree(bcfg.out)  # an unfinished baseline: start it again
+    os.makedirs(bcfg.out)
     print(f"gradsync train: 1-worker baseline, {bcfg.steps} steps, micro-batch "
           f"{bcfg.micro_batch} x accumulation {bcfg.global_batch // bcfg.micro_batch}",
           flush=True)
-    launch(run_worker, 1, (bcfg.to_dict(),), backend=cfg.backend, timeout_s=cfg.timeout)
+    launch(run_worker, 1, (bcfg.to_dict(), model_fn, data_fn, None, True),
+           backend=cfg.backend, timeout_s=cfg.timeout)
+
+
+def _report_failure(cfg, err: WorkerFailedError) -> None:
+    import re
+
+    first = str(err).splitlines()[0]
+    m = re.match(r"worker rank (\d+) failed: (\w+): (.*)", first)
+    if m and m.group(2) in _PLAIN:
+        print(f"gradsync train: error: {m.group(3)} (worker rank {m.group(1)})", file=sys.stderr)
+    else:
+        print(f"gradsync train: error: {err}", file=sys.stderr)
+    print(f"gradsync train: {_where(cfg)}", file=sys.stderr)
 
 
 def run(args) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
 
-    from ..launch import launch
-    from ..train.checkpoint import CHECKPOINT, load_checkpoint
+    from ..rundir import METRICS
+    from ..train.api import launch_workers, preflight, usage_error_of
     from ..train.config import from_args
-    from ..train.loop import run_worker
+    from ..train.faults import FaultInjector
+    from ..train.instrument import write_report_safely
 
     cfg = from_args(args)
-    preflight(cfg)
-    print(
-        f"gradsync train: {cfg.workers} workers, {cfg.model} on {cfg.data}, "
-        f"{cfg.steps} steps, run directory {cfg.out}",
-        flush=True,
-    )
+    faults = FaultInjector.from_env()  # the edge: the loop only ever sees the object
+    plan, lock = preflight(cfg)
     try:
-        if cfg.baseline:
-            _run_baseline(cfg)
-        launch(
-            run_worker,
-            cfg.workers,
-            (cfg.to_dict(),),
-            backend=cfg.backend,
-            timeout_s=cfg.timeout,
-            rdzv_endpoint=f"localhost:{cfg.port}",
-        )
-    except WorkerFailedError as e:
-        first = str(e).splitlines()[0]
-        m = re.match(r"worker rank \d+ failed: UsageError: (.*)", first)
-        if m:
-            raise UsageError(m.group(1)) from None
-        print(f"gradsync train: error: {e}", file=sys.stderr)
-        if not cfg.no_report and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):
-            from ..train.instrument import write_report_safely
-
-            write_report_safely(cfg.out)  # a failed run is when the report is most needed
-        return 1
-    except (SignalException, KeyboardInterrupt):
-        ckpt = os.path.join(cfg.out, CHECKPOINT)
-        if os.path.exists(ckpt):
-            step = load_checkpoint(ckpt)["step"]
-            where = (f"the last complete checkpoint ({ckpt}, step {step}) is intact; "
-                     "continue with --resume")
-        else:
-            where = "no checkpoint had been written yet"
-        print(f"\ngradsync train: interrupted; {where}", file=sys.stderr)
-        return 130
-    return 0
+        if lock.note():
+            print(f"gradsync train: {lock.note()}")
+        if plan.action == "finished":
+            print(f"gradsync train: {cfg.out} already finished (step {plan.step} of "
+                  f"{cfg.steps}); nothing to do. Pass a larger --steps to train further.")
+            return 0
+        how = (f"continuing from step {plan.step}, checkpointed by {plan.was_world} workers"
+               if plan.action == "resume" else "new run")
+        print(f"gradsync train: {cfg.workers} workers, {cfg.model} on {cfg.data}, "
+              f"{cfg.steps} steps, run directory {cfg.out} ({how})", flush=True)
+        try:
+            if cfg.baseline:
+                _run_baseline(cfg)
+            launch_workers(cfg, faults=faults)
+        except WorkerFailedError as e:
+            usage = usage_error_of(e)
+            if usage is not None:
+                raise usage from None
+            _report_failure(cfg, e)
+            if not cfg.no_report and os.path.exists(os.path.join(cfg.out, METRICS)):
+                write_report_safely(cfg.out)  # a failed run is when the report is most needed
+            return 1
+        except (SignalException, KeyboardInterrupt):
+            print(f"\ngradsync train: interrupted; {_where(cfg)}", file=sys.stderr)
+            return 130
+        return 0
+    finally:
+        lock.release()

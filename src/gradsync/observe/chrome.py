@@ -20,9 +20,10 @@ import json
 import os
 
 from ..engine.tracing import Tracer
+from ..rundir import TRACE
 
 COMPUTE_TID = 0
-TRACE_FILE = "trace.json"
+TRACE_FILE = TRACE  # the run directory's name for it (gradsync.rundir)
 
 
 def rank_payload(tracer: Tracer) -> dict:

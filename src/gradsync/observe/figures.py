@@ -35,13 +35,25 @@ def _series(run: RunData, key: str):
 
 
 def loss_figure(run: RunData) -> bytes | None:
+    """Loss per step (and the held-out loss where evaluated), the learning rate below."""
     x, y = _series(run, "loss")
     if not x:
         return None
-    fig, ax = plt.subplots(figsize=(6.4, 3.2))
-    ax.plot(x, y, marker="o" if len(x) < 30 else None, ms=3)
-    ax.set(xlabel="step", ylabel="loss (mean over the global batch)", title="Loss")
+    ex, ey = _series(run, "eval_loss")
+    lx, ly = _series(run, "lr")
+    fig, (ax, lax) = plt.subplots(2, 1, figsize=(6.4, 4.4), sharex=True,
+                                  gridspec_kw={"height_ratios": [3, 1.2]})
+    ax.plot(x, y, marker="o" if len(x) < 30 else None, ms=3, label="training (global batch)")
+    if ex:
+        ax.plot(ex, ey, "o-", ms=4, color="#e45756", label="held-out")
+    ax.set(ylabel="loss (mean over items)", title="Loss")
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    if lx:
+        lax.plot(lx, ly, color="#54a24b")
+    lax.set(xlabel="step", ylabel="learning rate")
+    lax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    lax.grid(alpha=0.3)
     return _png(fig)
 
 
@@ -91,7 +103,8 @@ def memory_figure(run: RunData) -> bytes | None:
     ax.bar(ranks, peaks, color=COLORS["forward"])
     for i, v in enumerate(peaks):
         ax.text(i, v, f"{v:,.0f} MiB", ha="center", va="bottom", fontsize=8)
-    ax.set(ylabel="MiB", title="Peak memory per rank (max RSS on CPU, allocator peak on GPU)")
+    ax.set(ylabel="peak memory (MiB)",
+           title="Peak memory per rank (whole process on CPU, allocator peak on GPU)")
     return _png(fig)
 
 

@@ -3,7 +3,7 @@
 Self-contained means it opens from a laptop's disk, attached to a ticket, on a
 machine with no network: figures are inline base64 PNGs, the style and the one
 small script are inline, nothing is fetched. The same PNGs are written beside the
-page for slides and issues. What the run did not produce (a cut-off run, no
+page for slides and tickets. What the run did not produce (a cut-off run, no
 trace, no planner) is stated on the page and returned in ``missing`` so the
 CLI can print it too.
 """
@@ -17,13 +17,15 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from ..rundir import REPORT
 from .figures import make_figures
 from .run_data import RunData, load_run
 from .timeline import StepTimeline, measured_step, predicted_step
 
-REPORT = "report.html"
 CAPTIONS = {
-    "loss.png": "Loss: the exact mean over every item of the global batch, per step.",
+    "loss.png": "Loss: the exact mean over every item of the global batch, per step (dots: "
+                "the held-out loss, exact over the whole held-out set); below, the learning "
+                "rate each step used.",
     "throughput.png": "Throughput per step; dashed: K times the 1-worker baseline "
                       "(perfect scaling), when the run had --baseline.",
     "step_breakdown.png": "Rank 0's step time split into compute (communication hidden "
@@ -72,29 +74,69 @@ def _table(rows: list[tuple[str, str]]) -> str:
 def _key_numbers(run: RunData) -> list[tuple[str, str]]:
     c, s, m = run.config, run.summary or {}, run.metrics
     steady = m[min(3, len(m) - 1):] if m else []
-    med = lambda k: statistics.median([r[k] for r in steady if k in r]) if any(  # noqa: E731
-        k in r for r in steady) else None
+    med = lambda k: statistics.median([r[k] for r in steady if r.get(k) is not None]) if any(  # noqa: E731
+        r.get(k) is not None for r in steady) else None
     step_s = s.get("median_step_s") or med("step_time_s")
     exposed = med("exposed_comm_s")
+    evals = [r for r in m if r.get("eval_loss") is not None]
+    sizes = s.get("world_sizes") or c.get("world_sizes") or []
+    workers = str(c.get("world_size", "?"))
+    if len(sizes) > 1:
+        workers += f" (over the run: {' -> '.join(map(str, sizes))})"
     rows = [("status", "finished" if run.finished else "did not finish"),
             ("model / data", f"{c.get('model', '?')} / {c.get('data', '?')}"),
+            ("strategy / precision / optimizer",
+             f"{c.get('strategy', 'ddp')} / {c.get('precision', 'fp32')} / "
+             f"{s.get('optimizer') or c.get('optimizer', '?')}"),
+            ("seed", str(c.get("seed", "?"))),
+            ("workers", workers),
             ("workers x accumulation x micro-batch",
              f"{c.get('world_size', '?')} x {c.get('accumulation', '?')} x "
              f"{c.get('micro_batch', '?')} = global batch {c.get('global_batch', '?')}"),
             ("steps completed", f"{m[-1]['step'] if m else 0} of {c.get('steps', '?')}"),
-            ("final loss", _fmt(m[-1]["loss"]) if m else "-"),
+            ("final loss", _fmt(m[-1].get("loss")) if m else "-"),
+            ("final held-out loss", _fmt(evals[-1]["eval_loss"]) if evals else
+             "not evaluated" if not c.get("eval", True) else "-"),
             ("median step time", f"{step_s * 1e3:.1f} ms" if step_s else "-"),
             ("median exposed communication", f"{exposed * 1e3:.1f} ms" if exposed else "-"),
             ("samples / s (median step)", _fmt(med("samples_per_s"), ",.1f"))]
     if med("tokens_per_s"):
         rows.append(("tokens / s (median step)", _fmt(med("tokens_per_s"), ",.0f")))
+    skipped = [r["step"] for r in m if r.get("skipped")]
+    if skipped:
+        rows.append(("steps skipped (NaN/inf)", ", ".join(map(str, skipped))))
+    if s.get("resumed_from"):
+        rows.append(("resumed from step", str(s["resumed_from"])))
     eff = s.get("scaling_efficiency") or med("scaling_efficiency")
     rows.append(("scaling efficiency vs 1 worker",
                  f"{eff:.0%}" if eff else "no baseline (run gradsync train --baseline)"))
-    cap = s.get("bucket_cap_mb") or c.get("bucket_mb", "?")
-    auto = " (auto-tuned)" if c.get("bucket_mb") == "auto" else ""
-    rows.append(("bucket cap", f"{_fmt(cap, '.3g') if cap != '?' else cap} MiB{auto}"))
+    cap = s.get("bucket_cap_mb") or c.get("bucket_cap_mb") or c.get("bucket_mb")
+    auto = " (auto-tuned)" if "auto" in (c.get("bucket_cap_mb"), c.get("bucket_mb")) else ""
+    if c.get("strategy") == "zero3":
+        rows.append(("gradient buckets", "one per wrapped unit (zero3)"))
+    elif isinstance(cap, (int, float)):
+        rows.append(("bucket cap", f"{_fmt(cap, '.3g')} MiB{auto}"))
     return rows
+
+
+MEMORY_LABELS = (("params", "parameters"), ("grads", "gradients"),
+                 ("master_params", "fp32 master weights"),
+                 ("optimizer_state", "optimizer state (moments)"),
+                 ("comm_buffers", "communication buffers"), ("padding", "shard padding"))
+
+
+def _memory_html(run: RunData) -> str:
+    mem = (run.summary or {}).get("memory")
+    if not isinstance(mem, dict):
+        return ""
+    stage = {0: "data parallel", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}.get(mem.get("stage"), "?")
+    rows = [(label, f"{mem.get(key, 0) / 2**20:,.2f} MiB") for key, label in MEMORY_LABELS]
+    total = sum(mem.get(k, 0) for k in ("params", "grads", "master_params", "optimizer_state"))
+    rows.insert(4, ("model state (the four above)", f"{total / 2**20:,.2f} MiB"))
+    return (f"<h2>Memory per rank</h2><p class='note'>What one rank of {_e(mem.get('world'))} "
+            f"held at the last step's fullest ({_e(stage)}; "
+            f"{_e(format(mem.get('num_params', 0), ','))} parameters), counted from the tensors "
+            "themselves.</p>" + _table(rows))
 
 
 def _drift_html(run: RunData) -> str:
@@ -102,7 +144,12 @@ def _drift_html(run: RunData) -> str:
     exact = ("<p>Gradients: each step's gradient is the exact mean over every item of the "
              "global batch (<code>backward(loss, num_items=n)</code>, summed then divided by "
              f"the global count); items per step: {_e(', '.join(map(str, items)) or '-')}.</p>")
-    d = run.drift
+    d, c = run.drift, run.config
+    if d is None and (c.get("strategy") == "zero3" or not c.get("drift_every", 1)):
+        return exact + ("<p class='note'>Drift check: off (--drift-every 0).</p>"
+                        if c.get("strategy") != "zero3" else
+                        "<p class='note'>Drift check: not applicable (ZeRO-3: every rank holds "
+                        "a different shard of the parameters).</p>")
     if d is None:
         return exact + "<p class='note'>Drift check: not run (--drift-every 0, or the run " \
                        "stopped before the first check).</p>"
@@ -116,7 +163,8 @@ def _drift_html(run: RunData) -> str:
 
 
 def _steps_table(run: RunData) -> str:
-    cols = [("step", "d"), ("loss", ".4f"), ("step_time_s", ".4f"), ("compute_s", ".4f"),
+    cols = [("step", "d"), ("loss", ".4f"), ("eval_loss", ".4f"), ("lr", ".3g"),
+            ("grad_norm", ".3g"), ("step_time_s", ".4f"), ("compute_s", ".4f"),
             ("exposed_comm_s", ".4f"), ("comm_bytes", ",d"), ("samples_per_s", ",.1f")]
     head = "".join(f"<th>{_e(c)}</th>" for c, _ in cols)
     body = "".join("<tr>" + "".join(f"<td>{_e(_fmt(m.get(c), f))}</td>" for c, f in cols)
@@ -141,6 +189,7 @@ def render_page(run: RunData, figures: dict[str, bytes], timelines: list[StepTim
         if name == "timeline.png":
             notes = [n for t in timelines for n in t.notes]
             parts += [f"<p class='note'>{_e(n)}</p>" for n in notes]
+    parts.append(_memory_html(run))
     parts.append("<h2>Exactness and replica drift</h2>" + _drift_html(run))
     if run.metrics:
         parts.append("<h2>Per-step metrics</h2>" + _steps_table(run))

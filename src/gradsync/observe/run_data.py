@@ -3,20 +3,21 @@
 A report is most needed when a run went wrong, so reading is forgiving: every
 file is optional except the evidence that this *is* a run (config.json or
 metrics.jsonl), a torn last line of metrics.jsonl (a crash mid-write) is
-skipped, and whatever is absent is listed in ``missing`` with what it costs the
-reader, so the page and the terminal can say so instead of failing.
+skipped, and whatever the run should have written but did not is listed in
+``missing`` with what it costs the reader, so the page and the terminal can say
+so instead of failing. What the run was not asked to write (a trace without
+``--trace``, a drift result with ``--drift-every 0``, a bucket plan under ZeRO-3)
+is not missing. File names and record fields: :mod:`gradsync.rundir`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
-
-CONFIG, METRICS, SUMMARY = "config.json", "metrics.jsonl", "summary.json"
-TRACE, DRIFT, PLAN = "trace.json", "drift.json", "plan.json"
+from ..rundir import BASELINE, CONFIG, DRIFT, METRICS, PLAN, SUMMARY, TRACE, read_json
+from ..rundir import read_metrics as _read_metrics
 
 
 @dataclass
@@ -40,31 +41,23 @@ class RunData:
         return int(self.config.get("world_size") or (self.summary or {}).get("world_size") or 1)
 
 
-def _read_json(path: str):
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, json.JSONDecodeError):
-        return False  # present but unreadable
+_read_json = read_json
 
 
-def _read_metrics(path: str) -> tuple[list[dict], int]:
-    rows, bad = [], 0
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    bad += 1
-    except FileNotFoundError:
-        return [], -1
-    return rows, bad
+def _expected(run: RunData, name: str) -> bool:
+    """Was the run asked to write ``name``? (Unknown settings: assume it was.)"""
+    c = run.config
+    if name == TRACE:
+        return bool(c.get("trace", True) or c.get("trace_steps"))
+    if name == DRIFT:
+        every = c.get("drift_every", 1)
+        if not every or c.get("strategy") == "zero3":
+            return False
+        last = run.metrics[-1].get("step", 0) if run.metrics else 0
+        return last >= every or run.summary is not None
+    if name == PLAN:
+        return c.get("strategy") != "zero3"
+    return True
 
 
 def load_run(path: str) -> RunData:
@@ -98,10 +91,10 @@ def load_run(path: str) -> RunData:
         value = _read_json(os.path.join(path, name))
         if isinstance(value, dict):
             setattr(run, attr, value)
-        else:
+        elif value is False or _expected(run, name):
             state = "unreadable" if value is False else "absent"
             run.missing.append(f"{name} ({state}): {cost}")
-    base = _read_json(os.path.join(path, "baseline", SUMMARY))
+    base = _read_json(os.path.join(path, BASELINE, SUMMARY))
     run.baseline = base if isinstance(base, dict) else None
     steps = run.config.get("steps")
     if run.summary is None and steps and run.metrics:

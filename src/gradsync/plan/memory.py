@@ -38,12 +38,10 @@ activations: each rank's micro-batch is its own.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
+from ..factory import load_factory  # noqa: F401 - re-exported: calibrate imports it here
 
 STAGES = ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 OPTIMIZERS = ("adam", "sgd-momentum", "sgd")
@@ -216,23 +214,6 @@ def _check_module(obj, what: str) -> int:
     if n <= 0:
         raise UsageError(f"{what} has no parameters")
     return n
-
-
-def load_factory(text: str):
-    """Import ``module:factory`` (the user's own modules too, like ``python -m``)."""
-    mod_name, _, attr = text.partition(":")
-    if not mod_name or not attr:
-        raise UsageError(f"expected module:factory, got {text!r}")
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(mod_name)
-    except Exception as e:  # ImportError, or anything the module raises on import
-        raise UsageError(f"cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
-    factory = getattr(module, attr, None)
-    if factory is None or not callable(factory):
-        raise UsageError(f"{mod_name!r} has no callable {attr!r}")
-    return factory
 
 
 def _count_from_factory(text: str) -> tuple[int, str]:

@@ -1,40 +1,77 @@
 """`torchrun ... -m gradsync.train [flags]`: the training entry point when torchrun launches.
 
 torchrun has already started the processes and set RANK/WORLD_SIZE/MASTER_ADDR,
-so this parses the same flags as `gradsync train` (minus --workers and --port,
-which are torchrun's business) and runs the worker loop directly.
+so this parses the same flags as `gradsync train` (minus --workers, --port and
+--max-restarts, which are torchrun's business) and runs the worker loop directly.
+
+Elastic by default: with ``--resume auto`` (the default) a restarted worker
+group -- ``torchrun --max-restarts N`` after a failure, or ``--nnodes MIN:MAX``
+after the membership changed -- continues from the last checkpoint, on however
+many workers it now has, with no flag changed. Global rank 0 holds the run
+directory's lock (the agent is torchrun's, not ours); a restarted rank 0 finds
+the lock its killed predecessor held released by the kernel.
 """
 
 import argparse
+import os
 import sys
+import traceback
 
 from .. import dist as gdist
-from ..errors import UsageError
+from ..errors import GradsyncError, UsageError
 from ..heap import keep_freed_memory
 from .config import add_arguments, from_args
+from .faults import FaultInjector
 from .loop import run_worker
+
+
+def _continue_hint(out: str) -> str:
+    from ..rundir import CHECKPOINT
+    from .checkpoint import read_header
+
+    try:
+        header = read_header(os.path.join(out, CHECKPOINT))
+    except UsageError:
+        header = None
+    where = f"from step {header['step']}" if header else "from the start (no checkpoint yet)"
+    return (f"gradsync.train: run the same torchrun command again to continue {where}: "
+            "resuming is automatic")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gradsync.train",
                                      description="gradsync training worker (run under torchrun)")
-    add_arguments(parser, skip=("workers", "port"))
+    add_arguments(parser, skip=("workers", "port", "max_restarts"))
     args = parser.parse_args(argv)
+    rank = os.environ.get("RANK", "?")
+    cfg = None
     try:
         cfg = from_args(args)
         if cfg.baseline:
             raise UsageError("--baseline launches its own 1-worker run: use `gradsync train "
                              "--baseline`, or run the baseline with torchrun separately")
+        faults = FaultInjector.from_env()  # the edge: the loop only ever sees the object
         import torch
 
-        torch.set_num_threads(int(__import__("os").environ.get("GRADSYNC_THREADS", "1")))
+        torch.set_num_threads(int(os.environ.get("GRADSYNC_THREADS", "1")))
         keep_freed_memory()
         gdist.init(cfg.backend, cfg.timeout)
         cfg.workers = gdist.world_size()
-        run_worker(cfg.to_dict())
+        run_worker(cfg.to_dict(), faults=faults)
     except UsageError as e:
-        print(f"gradsync.train (rank {gdist.rank()}): error: {e}", file=sys.stderr)
+        print(f"gradsync.train (rank {rank}): error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the agent stops the group with SIGTERM
+        return 130
+    except Exception as e:  # noqa: BLE001 - said once, with the way to continue
+        if isinstance(e, GradsyncError):  # its message says it all: no traceback
+            print(f"gradsync.train (rank {rank}): error: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+        else:
+            traceback.print_exc()
+        if rank == "0" and cfg is not None:
+            print(_continue_hint(cfg.out), file=sys.stderr)
+        return 1
     finally:
         gdist.shutdown()
     return 0

@@ -2,7 +2,9 @@
 
 The same parser serves ``gradsync train`` (which launches the workers) and
 ``torchrun -m gradsync.train`` (where torchrun already did), so the two can never
-disagree about what a flag means.
+disagree about what a flag means. Choice lists come from the registries
+(models, datasets, strategies, optimizers), so ``--help``, the parser and the
+error for an unknown name always list the same things.
 """
 
 from __future__ import annotations
@@ -12,41 +14,64 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 
 from ..dist import BACKENDS
+from ..engine.strategy import FIXED_BUCKETS, PRECISIONS, STRATEGIES
 from ..errors import UsageError
+from ..factory import is_factory_spec
+from ..models import MODELS
+from .builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
 
-MODEL_CHOICES = ("gpt", "mlp")
-STRATEGY_CHOICES = ("ddp", "zero1", "zero2", "zero3")  # engine/strategy.py's STRATEGIES
-PRECISION_CHOICES = ("fp32", "bf16")
-DATA_CHOICES = ("pysrc", "random-tokens", "teacher")
-DATA_FOR_MODEL = {"gpt": ("pysrc", "random-tokens"), "mlp": ("teacher",)}
-DEFAULT_DATA = {"gpt": "pysrc", "mlp": "teacher"}
+OPTIMIZER_CHOICES = ("auto", *OPTIMIZERS)
+RESUME_CHOICES = ("auto", "must", "never")
+NONFINITE_CHOICES = ("stop", "skip-step")
+
+
+def _model_arg(value: str) -> str:
+    if value in MODELS or is_factory_spec(value):
+        return value
+    raise argparse.ArgumentTypeError(
+        f"unknown model {value!r}: choose from {', '.join(MODELS)}, or pass pkg.module:factory")
+
+
+def _data_arg(value: str) -> str:
+    if value in DATASETS or is_factory_spec(value) or value == "":
+        return value
+    raise argparse.ArgumentTypeError(
+        f"unknown data {value!r}: choose from {', '.join(DATASETS)}, or pass pkg.module:factory")
+
+
+def _cap_arg(value: str):
+    return value if value == "auto" else float(value)
 
 
 @dataclass
 class TrainConfig:
     workers: int = field(default=2, metadata={"help": "worker processes on this node (gradsync train only; torchrun sets its own)"})
     steps: int = field(default=300, metadata={"help": "optimizer steps to run"})
-    global_batch: int = field(default=16, metadata={"help": "samples per optimizer step over all workers = micro-batch x accumulation x workers"})
-    micro_batch: int = field(default=8, metadata={"help": "samples per forward/backward on one worker"})
+    global_batch: int = field(default=16, metadata={"help": "samples per optimizer step over all workers = micro-batch x accumulation x workers; keep it when the number of workers changes, and the run continues exactly"})
+    micro_batch: int = field(default=8, metadata={"help": "samples per forward/backward on one worker (may change on resume)"})
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate (linear warm-up, cosine decay to 10%%)"})
     warmup: int = field(default=20, metadata={"help": "warm-up steps"})
-    bucket_mb: float | str = field(default=25.0, metadata={"help": "gradient bucket cap in MiB (DDP's default is 25), or 'auto' to measure candidates during the first steps and keep the fastest", "type": lambda v: v if v == "auto" else float(v)})
+    optimizer: str = field(default="auto", metadata={"help": "adamw, sgd (momentum 0.9), or auto: adamw for gpt and your own models, sgd for mlp", "choices": OPTIMIZER_CHOICES})
+    bucket_cap_mb: float | str = field(default=25.0, metadata={"help": "gradient bucket cap in MiB (DDP's default is 25), or 'auto' to measure candidates during the first steps and keep the fastest", "type": _cap_arg})
     seed: int = field(default=0, metadata={"help": "seed for model initialisation and data order"})
     out: str = field(default="", metadata={"help": "run directory for metrics.jsonl, checkpoint.pt and summary.json (default runs/<date-time>)"})
+    resume: str = field(default="auto", metadata={"help": "auto: continue the checkpoint in --out if it is of this configuration, start fresh if there is none; must (--resume alone): fail without one; never: fail if one exists", "choices": RESUME_CHOICES})
     backend: str = field(default="auto", metadata={"help": "process-group backend: auto (nccl with CUDA, else gloo), gloo or nccl", "choices": BACKENDS})
-    model: str = field(default="gpt", metadata={"help": "built-in model: gpt (small causal LM) or mlp (8x1024 GELU MLP)", "choices": MODEL_CHOICES})
-    data: str = field(default="", metadata={"help": "data: pysrc (Python stdlib sources, offline), random-tokens (benchmarking), teacher (regression for mlp); default follows --model", "choices": ("",) + DATA_CHOICES})
-    strategy: str = field(default="ddp", metadata={"help": "ddp: replicate everything; zero1: shard optimizer state; zero2: also gradients; zero3: also parameters (FSDP)", "choices": STRATEGY_CHOICES})
-    precision: str = field(default="fp32", metadata={"help": "fp32, or bf16: compute in bf16 with fp32 master weights, optimizer state and gradient reduction", "choices": PRECISION_CHOICES})
-    seq_len: int = field(default=128, metadata={"help": "tokens per sample for the gpt model"})
+    model: str = field(default="gpt", metadata={"help": "built-in model (gpt: small causal LM; mlp: 8x1024 GELU MLP) or your own, pkg.module:factory (a function returning a torch.nn.Module)", "type": _model_arg})
+    data: str = field(default="", metadata={"help": "built-in data (pysrc, random-tokens for gpt; teacher for mlp) or your own, pkg.module:factory (returning a Dataset of (input, target) or a gradsync.TrainData); default follows --model", "type": _data_arg})
+    strategy: str = field(default="ddp", metadata={"help": "ddp: replicate everything; zero1: shard optimizer state; zero2: also gradients; zero3: also parameters (FSDP)", "choices": tuple(STRATEGIES)})
+    precision: str = field(default="fp32", metadata={"help": "fp32 (the model's own dtype), or bf16: compute in bf16 with fp32 master weights, optimizer state and gradient reduction", "choices": PRECISIONS})
+    seq_len: int = field(default=128, metadata={"help": "tokens per sample for the built-in token data"})
     clip: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this value (0 disables)"})
+    on_nonfinite: str = field(default="stop", metadata={"help": "a NaN/inf loss or gradient norm: stop (before any checkpoint is written, exit 1) or skip-step (skip that optimizer update on every rank)", "choices": NONFINITE_CHOICES})
     checkpoint_every: int = field(default=100, metadata={"help": "save a checkpoint every N steps (and always at the end; 0: only at the end)"})
-    resume: bool = field(default=False, metadata={"help": "continue from the checkpoint in --out"})
-    timeout: float = field(default=300.0, metadata={"help": "seconds a collective may wait before the run fails"})
+    eval_every: int = field(default=50, metadata={"help": "evaluate the loss on held-out data every N steps and at the end (0: off)"})
+    timeout: float = field(default=300.0, metadata={"help": "seconds a collective, or the workers' connection set-up, may wait before the run fails"})
+    max_restarts: int = field(default=0, metadata={"help": "restart all workers from the last checkpoint up to N times after a failure (gradsync train only; under torchrun use its --max-restarts)"})
     port: int = field(default=0, metadata={"help": "rendezvous port on localhost (0: pick a free one)"})
     trace: bool = field(default=False, metadata={"help": "record a Chrome trace (trace.json: forward, backward, each bucket's all-reduce, waits, optimizer; one process per rank) for the --trace-steps window"})
     trace_steps: str = field(default="", metadata={"help": "steps to trace, FIRST:LAST (1-based, inclusive) or one step; implies --trace (default with --trace: 3:5, clipped to the run)"})
-    drift_every: int = field(default=50, metadata={"help": "compare a checksum of every parameter across workers every N steps and at the end; a mismatch stops the run naming the parameter (0: off)"})
+    drift_every: int = field(default=50, metadata={"help": "compare a checksum of every parameter across workers every N steps and at the end; a mismatch or a NaN/inf parameter stops the run naming it (0: off)"})
     baseline: bool = field(default=False, metadata={"help": "first run a short 1-worker baseline with the same micro-batch and accumulation (in OUT/baseline) to report scaling efficiency (gradsync train only)"})
     baseline_steps: int = field(default=8, metadata={"help": "steps of the --baseline run"})
     no_report: bool = field(default=False, metadata={"help": "do not write report.html and its figures at the end of the run"})
@@ -57,29 +82,43 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        if self.bucket_mb != "auto" and not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
-            raise UsageError(f"--bucket-mb must be > 0 or 'auto', got {self.bucket_mb!r}")
+        cap = self.bucket_cap_mb
+        if cap != "auto" and not (isinstance(cap, (int, float)) and cap > 0):
+            raise UsageError(f"--bucket-cap-mb must be > 0 or 'auto', got {cap!r}")
         for name in ("lr", "timeout"):
             if not getattr(self, name) > 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)!r}")
         if self.warmup < 0 or self.checkpoint_every < 0 or self.clip < 0:
             raise UsageError("--warmup, --checkpoint-every and --clip must be >= 0")
+        if self.eval_every < 0 or self.max_restarts < 0:
+            raise UsageError("--eval-every and --max-restarts must be >= 0")
         if not 0 <= self.port <= 65535:
             raise UsageError(f"--port must be in 0..65535, got {self.port}")
-        if self.model not in MODEL_CHOICES:
-            raise UsageError(f"unknown model {self.model!r}; choose from {', '.join(MODEL_CHOICES)}")
-        if self.backend not in BACKENDS:
-            raise UsageError(f"unknown backend {self.backend!r}; choose from {', '.join(BACKENDS)}")
-        if self.strategy not in STRATEGY_CHOICES:
-            raise UsageError(f"unknown strategy {self.strategy!r}; choose from {', '.join(STRATEGY_CHOICES)}")
-        if self.precision not in PRECISION_CHOICES:
-            raise UsageError(f"unknown precision {self.precision!r}; choose from {', '.join(PRECISION_CHOICES)}")
-        if self.bucket_mb == "auto" and self.strategy != "ddp":
-            raise UsageError("--bucket-mb auto needs --strategy ddp: sharded optimizer state "
-                             "needs a fixed bucket layout")
+        if self.resume is True or self.resume is None:  # from Python: resume=True
+            self.resume = "must"
+        elif self.resume is False:
+            self.resume = "auto"
+        for name, choices in (("backend", BACKENDS), ("strategy", tuple(STRATEGIES)),
+                              ("precision", PRECISIONS), ("optimizer", OPTIMIZER_CHOICES),
+                              ("resume", RESUME_CHOICES), ("on_nonfinite", NONFINITE_CHOICES)):
+            if getattr(self, name) not in choices:
+                raise UsageError(f"unknown {name.replace('_', '-')} {getattr(self, name)!r}; "
+                                 f"choose from {', '.join(choices)}")
+        try:
+            _model_arg(self.model)
+            _data_arg(self.data)
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(str(e)) from None
+        if cap == "auto" and self.strategy in FIXED_BUCKETS:
+            raise UsageError(f"--bucket-cap-mb auto needs --strategy ddp: {self.strategy} "
+                             "shards along a fixed bucket layout")
         if not self.data:
+            if self.model not in DEFAULT_DATA:
+                raise UsageError(f"--model {self.model} needs --data: a built-in dataset "
+                                 f"({', '.join(DATASETS)}) or pkg.module:factory")
             self.data = DEFAULT_DATA[self.model]
-        if self.data not in DATA_FOR_MODEL[self.model]:
+        if self.model in DATA_FOR_MODEL and self.data in DATASETS \
+                and self.data not in DATA_FOR_MODEL[self.model]:
             raise UsageError(f"--data {self.data} does not fit --model {self.model}; "
                              f"use one of {', '.join(DATA_FOR_MODEL[self.model])}")
         if not self.out:
@@ -89,6 +128,13 @@ class TrainConfig:
         if self.trace_steps:
             self.trace = True
         self.trace_window()
+
+    @property
+    def optimizer_name(self) -> str:
+        """The optimizer ``auto`` stands for."""
+        if self.optimizer != "auto":
+            return self.optimizer
+        return "sgd" if self.model == "mlp" else "adamw"
 
     def trace_window(self) -> tuple[int, int] | None:
         """The traced steps (1-based, inclusive), or None; checked against --steps."""
@@ -121,14 +167,20 @@ class TrainConfig:
         per_step = self.micro_batch * world_size
         if self.global_batch % per_step:
             lower = max(per_step, self.global_batch // per_step * per_step)
+            fits = [m for m in range(self.micro_batch, 0, -1)
+                    if self.global_batch % (m * world_size) == 0]
+            alt = f", or --micro-batch {fits[0]}" if fits else ""
             raise UsageError(
                 f"--global-batch {self.global_batch} is not a multiple of --micro-batch "
                 f"{self.micro_batch} x {world_size} workers = {per_step}; try --global-batch "
-                f"{lower} or {lower + per_step}")
+                f"{lower} or {lower + per_step}{alt}")
         return self.global_batch // per_step
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+HIDDEN_ALIASES = {"bucket_cap_mb": ["--bucket-mb"]}
 
 
 def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -145,7 +197,12 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
         kind = meta.pop("type", None) or {"int": int, "float": float, "str": str}.get(str(f.type), str)
         default = f.default
         shown = "" if default in ("", None) else f" (default: {default})"
-        parser.add_argument(flag, type=kind, default=default, help=help_text + shown, **meta)
+        extra = {"nargs": "?", "const": "must"} if f.name == "resume" else {}
+        parser.add_argument(flag, type=kind, default=default, help=help_text + shown,
+                            **meta, **extra)
+        for alias in HIDDEN_ALIASES.get(f.name, ()):
+            parser.add_argument(alias, dest=f.name, type=kind, default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS)
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:

@@ -1,18 +1,21 @@
 """What `gradsync train` measures besides the loss: step figures, the trace, drift.
 
-Kept out of loop.py so the loop reads as training. Every rank measures its own
-step (time blocked on collectives, bytes, peak memory); the figures travel to
-rank 0 in the one statistics all-gather the loop already needs for the global
-loss, so measuring adds no collective. The tracer records only inside the
-``--trace-steps`` window; its spans are gathered to rank 0 once, when the window
-closes, and written as one Chrome trace. The drift check runs every
-``--drift-every`` steps and at the end, and its result is kept in the run
-directory (drift.json) so the report can show it even when it failed.
+Kept out of the loop so the loop reads as training. Every rank measures its own
+step (time blocked on collectives, bytes, peak memory); the figures travel in
+the one statistics all-gather the step needs anyway -- before the optimizer
+update, because it also carries every rank's loss sum and item count (the exact
+global mean loss) and gradient norm, which decide on every rank alike whether the
+update may happen (a NaN stops or skips it). So measuring adds no collective.
+The tracer records only inside the ``--trace-steps`` window; its spans are
+gathered to rank 0 once, when the window closes, and written as one Chrome
+trace. The drift check runs every ``--drift-every`` steps and at the end; its
+result is kept in the run directory (drift.json) so the report can show it even
+when it failed.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import os
 
 import torch
@@ -22,20 +25,12 @@ from ..engine import comm
 from ..engine.drift import check_replicas
 from ..engine.tracing import Tracer
 from ..errors import ReplicaMismatchError
-from ..observe.chrome import TRACE_FILE, rank_payload, write_trace
+from ..observe.chrome import rank_payload, write_trace
 from ..observe.metrics import StepMeter, peak_memory_bytes
+from ..rundir import BASELINE, DRIFT, PLAN, SUMMARY, TRACE, read_json, write_json
 from .config import TrainConfig
 
-PLAN_FILE = "plan.json"
-DRIFT_FILE = "drift.json"
-_FIELDS = 5  # loss_sum, items, exposed_s, bytes, peak memory
-
-
-def _write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+STATS = ("loss_sum", "items", "grad_norm", "exposed_s", "bytes", "peak_memory")
 
 
 class Instruments:
@@ -58,14 +53,14 @@ class Instruments:
                 self.tracing = True
             self.tracer.begin_step(step)
 
-    def gather_stats(self, loss_sum: float, items: float) -> torch.Tensor:
-        """[world, 5] float64: every rank's loss sum, items, exposed s, bytes, peak memory."""
-        mine = torch.tensor([loss_sum, items, self.meter.exposed_s, float(self.meter.bytes),
-                             float(peak_memory_bytes(self.device))],
+    def gather_stats(self, loss_sum: float, items: float, grad_norm: float) -> torch.Tensor:
+        """[world, len(STATS)] float64: every rank's figures (see :data:`STATS`)."""
+        mine = torch.tensor([loss_sum, items, grad_norm, self.meter.exposed_s,
+                             float(self.meter.bytes), float(peak_memory_bytes(self.device))],
                             dtype=torch.float64, device=self.device)
-        out = torch.empty(self.world * _FIELDS, dtype=torch.float64, device=self.device)
+        out = torch.empty(self.world * len(STATS), dtype=torch.float64, device=self.device)
         comm.all_gather_single(out, mine, tag="stats")
-        return out.view(self.world, _FIELDS).cpu()
+        return out.view(self.world, len(STATS)).cpu()
 
     def end_step(self, step: int) -> None:
         if not self.tracing:
@@ -80,52 +75,53 @@ class Instruments:
         gathered = [None] * self.world if self.rank == 0 else None
         dist.gather_object(rank_payload(self.tracer), gathered, dst=0)
         if self.rank == 0:
-            write_trace(os.path.join(self.cfg.out, TRACE_FILE), gathered)
+            write_trace(os.path.join(self.cfg.out, TRACE), gathered)
 
-    def record(self, step: int, stats: torch.Tensor, step_s: float, base: dict,
-               units: dict[str, float], baseline_rate: float | None) -> dict:
-        """The metrics.jsonl line for this step (rank 0)."""
+    def step_figures(self, stats: torch.Tensor, step_s: float) -> dict:
+        """The measured fields of this step's StepRecord (rank 0's times, every rank's lists)."""
         exposed = self.meter.exposed_s  # rank 0's, including the statistics gather
-        rec = dict(base)
-        rec.update({
+        return {
             "step_time_s": step_s,
             "compute_s": max(0.0, step_s - exposed),
             "exposed_comm_s": exposed,
-            "exposed_comm_s_by_rank": [float(v) for v in stats[:, 2]],
+            "exposed_comm_s_by_rank": [float(v) for v in stats[:, 3]],
             "comm_bytes": int(self.meter.bytes),
             "collectives": self.meter.collectives,
-            "peak_mem_mb_by_rank": [float(v) / 2**20 for v in stats[:, 4]],
-        })
-        for name, per_step in units.items():
-            rec[f"{name}_per_s"] = per_step / step_s
-        if baseline_rate:
-            rec["scaling_efficiency"] = rec["samples_per_s"] / (self.world * baseline_rate)
-        return rec
+            "peak_mem_mb_by_rank": [float(v) / 2**20 for v in stats[:, 5]],
+        }
 
     # ---------------------------------------------------------------- occasional
-    def write_plan(self, dp) -> None:
+    def write_plan(self, strategy) -> None:
         """Rank 0: the parameters and the bucket plan in use now.
 
         Called after the first step (the one rebuild), when the trace window closes
-        and at the end, so with ``--bucket-mb auto`` it follows the tuned cap.
+        and at the end, so with ``--bucket-cap-mb auto`` it follows the tuned cap.
         """
-        if self.rank != 0:
+        dp = strategy.model
+        if self.rank != 0 or not strategy.bucket_plan or not hasattr(dp, "param_specs"):
             return
-        _write_json(os.path.join(self.cfg.out, PLAN_FILE), {
+        write_json(os.path.join(self.cfg.out, PLAN), {
             "bucket_cap_mb": dp.bucket_cap_bytes / 2**20,
             "first_bucket_mb": dp.first_bucket_bytes / 2**20,
             "world_size": self.world,
             "params": [[p.name, p.numel, p.itemsize, p.dtype] for p in dp.param_specs],
             "buckets": [{"index": b.index, "params": list(b.params), "nbytes": b.nbytes}
-                        for b in dp.bucket_plan],
-        })
+                        for b in strategy.bucket_plan],
+        }, indent=1)
 
     def maybe_check_drift(self, step: int, module) -> None:
+        """Replicas bit-identical *and* finite: identical NaNs are drift from the model too."""
         every = self.cfg.drift_every
         if not every or not (step % every == 0 or step == self.cfg.steps):
             return
         try:
             n = check_replicas(module, step=step)
+            bad = next((name for name, p in module.named_parameters()
+                        if not bool(torch.isfinite(p.detach()).all())), None)
+            if bad is not None:  # replicas agree, so every rank finds the same one
+                raise ReplicaMismatchError(
+                    f"parameter {bad!r} holds NaN or inf at step {step} (on every rank): "
+                    "the run diverged; lower --lr")
         except ReplicaMismatchError as e:
             self.drift.update(ok=False, last_step=step, error=str(e))
             self._save_drift()
@@ -135,7 +131,7 @@ class Instruments:
 
     def _save_drift(self) -> None:
         if self.rank == 0:
-            _write_json(os.path.join(self.cfg.out, DRIFT_FILE), self.drift)
+            write_json(os.path.join(self.cfg.out, DRIFT), self.drift, indent=1)
 
     def close(self) -> None:
         if self.tracer is not None and self.tracing:
@@ -149,13 +145,16 @@ def drift_line(drift: dict) -> str:
     return f"replicas identical ({drift['checks']} checks)" if drift["ok"] else "FAILED"
 
 
+def finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
+
+
 def baseline_rate_of(cfg: TrainConfig) -> float | None:
     """Samples/s of the 1-worker baseline run in OUT/baseline, if one was run."""
-    path = os.path.join(cfg.out, "baseline", "summary.json")
+    summary = read_json(os.path.join(cfg.out, BASELINE, SUMMARY))
     try:
-        with open(path) as f:
-            return float(json.load(f)["samples_per_s"])
-    except (OSError, KeyError, ValueError):
+        return float(summary["samples_per_s"])
+    except (TypeError, KeyError, ValueError):
         return None
 
 

@@ -1,4 +1,4 @@
-"""Rank 0's view of a run: a live progress bar, metrics as JSON lines, a closing table.
+"""Rank 0's view of a run: a live progress bar and a closing table (metrics: gradsync.rundir).
 
 On a terminal the bar redraws in place; in a log (CI, a pipe) it prints a plain
 line every tenth of the run instead, so logs stay readable.
@@ -6,8 +6,6 @@ line every tenth of the run instead, so logs stay readable.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 from rich.console import Console
@@ -49,14 +47,22 @@ class RunDisplay:
     def __exit__(self, *exc) -> None:
         self.progress.__exit__(*exc)
 
-    def update(self, step: int, loss: float, rate: float, step_s: float) -> None:
+    def update(self, step: int, loss: float, rate: float, step_s: float,
+               eval_loss: float | None = None) -> None:
         self.progress.update(self.task, completed=step, loss=loss, rate=rate, step_ms=step_s * 1e3)
+        if eval_loss is not None:
+            self.console.print(f"step {step}/{self.total}  eval loss {eval_loss:.4f}",
+                               highlight=False, soft_wrap=True)
         if not self.live and (step % self._every == 0 or step == self.total):
             self.console.print(
                 f"step {step}/{self.total}  loss {loss:.4f}  "
                 f"{rate:,.0f} {self.unit}/s  {step_s * 1e3:.0f} ms/step",
-                highlight=False,
+                highlight=False, soft_wrap=True,
             )
+
+    def say(self, line: str) -> None:
+        """One line, never wrapped (logs are read by people and by scripts)."""
+        self.console.print(line, highlight=False, soft_wrap=True)
 
     def summary(self, rows: list[tuple[str, str]], title: str) -> None:
         table = Table(title=title, show_header=False)
@@ -65,17 +71,3 @@ class RunDisplay:
         for k, v in rows:
             table.add_row(k, v)
         self.console.print(table)
-
-
-class MetricsWriter:
-    """One JSON object per step in ``metrics.jsonl``; appending keeps resumed runs whole."""
-
-    def __init__(self, path: str):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._f = open(path, "a", buffering=1)
-
-    def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        self._f.close()

@@ -1,75 +1,122 @@
-"""Saving and resuming a training run, for every strategy.
+"""Saving a run and continuing it -- on the same number of workers or on another.
 
-``checkpoint.pt`` (rank 0, atomic) always holds the step, scheduler, every rank's
-sampler position, the config and the unwrapped model (no ``module.`` prefixes;
-gathered in full for ZeRO-3). With plain DataParallel it also holds the optimizer
-state, identical on every rank. With ZeRO the optimizer state is sharded, so each
-save writes a new sharded directory ``checkpoint-shards/step-N`` first (every rank
-its shard, manifest last) and only then replaces ``checkpoint.pt``, which names
-that directory; older directories are removed afterwards. A crash at any point
-leaves a ``checkpoint.pt`` whose shards are complete.
+``checkpoint.pt`` (rank 0, atomic, CRC-checked on load) holds the step, the
+scheduler, the sampler's *global* position (:class:`gradsync.data.StepSampler`:
+no per-rank state, so it continues on any number of workers), the config, the
+RNG state, the strategy's extra state and the unwrapped model (no ``module.``
+prefixes; gathered in full for ZeRO-3). With plain DataParallel it also holds
+the optimizer state, identical on every rank. With ZeRO the optimizer state is
+sharded, so each save writes a new sharded directory
+``checkpoint-shards/step-N`` first (every rank its shard, manifest with SHA-256s
+last) and only then replaces ``checkpoint.pt``, which names that directory;
+older directories are removed afterwards. A crash at any point leaves a
+``checkpoint.pt`` whose shards are complete. Sharded state is keyed by parameter
+name and re-sharded on load (``engine/zero_checkpoint.py``), so ZeRO runs, too,
+continue on a different number of workers.
+
+What must match to continue a run (:data:`MUST_MATCH`) is what fixes its
+trajectory: the model, the data, the global batch, the seed, the strategy, the
+precision and the optimizer. The number of workers and the micro-batch may
+change (the global batch is then split differently, the set of samples in each
+step is not); the learning rate, schedule length and the rest follow the flags
+given now.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
+from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
-from ..engine.fsdp import FullyShardedDataParallel
+from .. import dist as gdist
+from ..data.sampler import StepSampler
+from ..engine import comm
 from ..engine.zero_checkpoint import load_sharded, save_sharded
 from ..errors import UsageError
-from .checkpoint import atomic_save, load_checkpoint
+from ..rundir import SHARDS
+from .checkpoint import FORMAT, VERSION, atomic_save, load_checkpoint, storage_error
 
-SHARDS = "checkpoint-shards"
-MUST_MATCH_ON_RESUME = ("model", "data", "seq_len", "global_batch", "micro_batch", "seed",
-                        "strategy", "precision")
-
-
-def _sharded(cfg) -> bool:
-    return cfg.strategy != "ddp"
+MUST_MATCH = ("model", "data", "seq_len", "global_batch", "seed", "strategy", "precision")
+_OLD_DEFAULTS = {"strategy": "ddp", "precision": "fp32"}
 
 
-def _shard_target(model, opt):
-    """save_sharded/load_sharded take (ZeroOptimizer) or (FSDP model, its optimizer)."""
-    if isinstance(model, FullyShardedDataParallel):
-        return model, opt
-    return opt, None
+@dataclass
+class ResumePlan:
+    """What rank 0 decided about the run directory, shared with every rank."""
+
+    action: str  # "fresh" | "resume" | "finished"
+    step: int = 0
+    was_world: int | None = None
+    world_sizes: tuple[int, ...] = ()
 
 
-def _module_state(model) -> dict:
-    if isinstance(model, FullyShardedDataParallel):
-        return model.full_state_dict()  # a collective: every rank calls it
-    return model.module.state_dict()
+def _optimizer_of(config: dict) -> str:
+    opt = config.get("optimizer", "auto")
+    if opt != "auto":
+        return opt
+    return "sgd" if config.get("model") == "mlp" else "adamw"
 
 
-def agree(flag: bool, device) -> bool:
-    """Rank 0 decides; every rank learns the decision (so all raise together)."""
-    import torch
+def decide(cfg, header: dict | None) -> ResumePlan:
+    """Fresh, resume or already finished, from ``--resume`` and the checkpoint's header.
 
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.broadcast(t, 0)
-    return bool(t.item())
+    Raises UsageError (one line) when ``--resume must`` finds nothing, ``--resume
+    never`` finds a checkpoint, or the checkpoint is of a different run.
+    """
+    out = cfg.out
+    if header is None:
+        if cfg.resume == "must":
+            raise UsageError(f"--resume: no checkpoint in {out} to continue; leave out "
+                             "--resume to start a new run there")
+        return ResumePlan("fresh")
+    step, saved = int(header["step"]), header.get("config") or {}
+    if cfg.resume == "never":
+        raise UsageError(f"{out} already holds a checkpoint (step {step}); continue it by "
+                         "leaving out --resume never, or choose another --out")
+    for key in MUST_MATCH:
+        was, now = saved.get(key, _OLD_DEFAULTS.get(key)), getattr(cfg, key)
+        if was != now:
+            raise UsageError(f"{out} holds a checkpoint of a different run: --"
+                             f"{key.replace('_', '-')} was {was!r}, now {now!r}; continue it "
+                             "with the same flags, or choose another --out")
+    if _optimizer_of(saved) != cfg.optimizer_name:
+        raise UsageError(f"{out} holds a checkpoint of a different run: the optimizer was "
+                         f"{_optimizer_of(saved)}, now {cfg.optimizer_name}; continue it with "
+                         "the same flags, or choose another --out")
+    sizes = tuple(header.get("world_sizes") or (header.get("world_size"),))
+    if step >= cfg.steps:
+        return ResumePlan("finished", step, header.get("world_size"), sizes)
+    return ResumePlan("resume", step, header.get("world_size"), sizes)
 
 
-def save(cfg, ckpt_path, step, world, model, opt, sched, sampler, loss) -> None:
-    samplers = [None] * world
-    dist.all_gather_object(samplers, sampler.state_dict())
+def save(sess, step: int) -> None:
+    """Every rank calls it; rank 0 writes checkpoint.pt last (it makes the save current)."""
+    cfg, strategy, rank = sess.cfg, sess.strategy, sess.rank
     shard_dir = None
-    if _sharded(cfg):
+    target = strategy.checkpoint_target
+    if target is not None:
         shard_dir = os.path.join(SHARDS, f"step-{step:07d}")
-        target, optimizer = _shard_target(model, opt)
-        save_sharded(os.path.join(cfg.out, shard_dir), target, optimizer)
-    module_state = _module_state(model)
-    if dist.get_rank() != 0:
+        path = os.path.join(cfg.out, shard_dir)
+        try:
+            save_sharded(path, *target)
+        except OSError as e:
+            raise storage_error(e, "the checkpoint shards", path) from None
+    module_state = strategy.full_state_dict()  # a collective for ZeRO-3
+    if rank != 0:
+        sess.faults.at_save(rank, step)
         return
-    atomic_save({"format": "gradsync-checkpoint", "version": 1, "step": step,
-                 "model": module_state,
-                 "optimizer": None if shard_dir else opt.state_dict(),
-                 "optimizer_shards": shard_dir, "scheduler": sched.state_dict(),
-                 "samplers": samplers, "world_size": world, "config": cfg.to_dict(),
-                 "loss": loss}, ckpt_path)
+    atomic_save({"format": FORMAT, "version": VERSION, "step": step, "steps": cfg.steps,
+                 "model": module_state, "optimizer": strategy.optimizer_state_dict(),
+                 "optimizer_shards": shard_dir, "scheduler": sess.sched.state_dict(),
+                 "sampler": sess.sampler.state_dict(), "world_size": sess.world,
+                 "world_sizes": list(sess.world_sizes), "config": cfg.to_dict(),
+                 "strategy_extra": strategy.extra_state(), "loss": sess.last_loss,
+                 "rng": torch.get_rng_state()},
+                sess.ckpt_path, before_replace=lambda: sess.faults.at_save(0, step))
     if shard_dir:  # the previous steps' shards are no longer referenced
         root = os.path.join(cfg.out, SHARDS)
         for name in os.listdir(root):
@@ -77,33 +124,43 @@ def save(cfg, ckpt_path, step, world, model, opt, sched, sampler, loss) -> None:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def resume(cfg, ckpt_path, world, rank, model, opt, sched, sampler, device) -> int:
-    """Return the step to start from (0 for a fresh run); restores everything else."""
-    exists = agree(os.path.exists(ckpt_path), device)
-    if cfg.resume and not exists:
-        raise UsageError(f"--resume: no checkpoint at {ckpt_path}")
-    if not cfg.resume:
-        if exists:
-            raise UsageError(f"{cfg.out} already holds a checkpoint; pass --resume to continue "
-                             "it or choose another --out")
-        return 0
-    state = load_checkpoint(ckpt_path)
-    if state.get("world_size") != world:
-        raise UsageError(f"checkpoint {ckpt_path} was written by {state.get('world_size')} "
-                         f"workers; resume with {state.get('world_size')} (this run has {world}): "
-                         "every worker's sampler position is part of the run")
-    for key in MUST_MATCH_ON_RESUME:
-        saved = state["config"].get(key, "ddp" if key == "strategy" else
-                                    "fp32" if key == "precision" else None)
-        if saved != getattr(cfg, key):
-            raise UsageError(f"cannot resume: --{key.replace('_', '-')} was {saved!r}, "
-                             f"now {getattr(cfg, key)!r}")
+def load(sess) -> int:
+    """Restore model, optimizer, scheduler, sampler, RNG and strategy state; return the step.
+
+    Rank 0 verified the file's checksums before the decision to resume was shared.
+    """
+    cfg, strategy = sess.cfg, sess.strategy
+    state = load_checkpoint(sess.ckpt_path, verified=False)
+    target = strategy.checkpoint_target
     if state.get("optimizer_shards"):
-        target, optimizer = _shard_target(model, opt)
-        load_sharded(os.path.join(cfg.out, state["optimizer_shards"]), target, optimizer)
+        if target is None:
+            raise UsageError("the checkpoint holds sharded optimizer state but this strategy "
+                             "is not sharded")
+        load_sharded(os.path.join(cfg.out, state["optimizer_shards"]), *target)
     else:
-        model.module.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    sampler.load_state_dict(state["samplers"][rank])
+        strategy.load_full_state_dict(state["model"])
+        strategy.load_optimizer_state_dict(state["optimizer"])
+    strategy.load_extra_state(state.get("strategy_extra") or {})
+    sess.sched.load_state_dict(state["scheduler"])
+    if state.get("sampler") is not None:
+        sess.sampler.load_state_dict(state["sampler"])
+    else:  # an older checkpoint: every worker's DistributedSampler position
+        sess.sampler.load_state_dict(StepSampler.from_rank_states(state["samplers"],
+                                                                  cfg.global_batch))
+    if state.get("rng") is not None:
+        torch.set_rng_state(state["rng"])
     return int(state["step"])
+
+
+def agree(value, src: int = 0, device=None):
+    """Rank ``src``'s (picklable, small) ``value`` on every rank, through engine/comm."""
+    device = device or gdist.info().device
+    data = pickle.dumps(value) if dist.get_rank() == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    comm.broadcast(size, src, tag="agree_size")
+    if dist.get_rank() == src:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    comm.broadcast(buf, src, tag="agree")
+    return pickle.loads(buf.cpu().numpy().tobytes())

@@ -1,0 +1,163 @@
+"""``gradsync.train()``: the `gradsync train` loop from Python, with your own model and data.
+
+    import gradsync as gs
+    summary = gs.train(gs.TrainConfig(steps=200, out="runs/a", workers=2),
+                       model=my_pkg.build_model, data=my_pkg.build_data)
+
+Checkpoints, elastic resume (also on another number of workers), exact
+accumulation, metrics, NaN guards and the report come with it. Called in a
+plain process it checks the run directory, takes its lock and launches
+``config.workers`` local workers; called where a process group already exists
+(a script under ``torchrun``, or inside ``gradsync.spawn``) it runs this rank's
+part. ``model``/``data`` are factories (contracts in ``train/task.py``): to reach
+launched workers they must be importable by name (module-level functions), or
+be given as ``"pkg.module:factory"`` strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+
+import torch.distributed as dist
+
+from .. import dist as gdist
+from ..errors import UsageError, WorkerFailedError
+from ..factory import factory_name, is_factory_spec
+from ..rundir import CHECKPOINT
+from . import state
+from .checkpoint import read_header, verify
+from .config import DATASETS, TrainConfig
+from .faults import FaultInjector
+from .guard import RunLock, check_run_dir
+from .task import builtin_data, estimate_checkpoint_bytes
+
+ONE_LINE_ERRORS = ("UsageError", "CheckpointCorrupt", "CheckpointError")
+"""Worker errors that are the user's to fix: the launcher says them in one line, exit 2."""
+
+
+def _check_port_free(port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise UsageError(f"port {port} on localhost is already in use; choose another "
+                             "--port or leave it out to pick a free one") from None
+
+
+def preflight(cfg: TrainConfig, model_fn=None) -> tuple[state.ResumePlan, RunLock]:
+    """Everything that can be checked before starting processes, checked once, clearly.
+
+    Returns the resume decision and the run directory's lock, held (release it).
+    """
+    cfg.accumulation(cfg.workers)
+    gdist.resolve_backend(cfg.backend)
+    if cfg.data in DATASETS:
+        try:
+            n = len(builtin_data(cfg.data, cfg).train)
+        except ValueError as e:  # e.g. a sequence longer than the whole corpus
+            raise UsageError(f"--data {cfg.data}: {e}") from None
+        if n < cfg.global_batch:
+            raise UsageError(f"--data {cfg.data} holds {n} samples, fewer than one global "
+                             f"batch ({cfg.global_batch}); every step needs distinct samples")
+    if cfg.port:
+        _check_port_free(cfg.port)
+    check_run_dir(cfg.out, estimate_checkpoint_bytes(cfg, model_fn))
+    lock = RunLock(cfg.out).acquire()
+    try:
+        path = os.path.join(cfg.out, CHECKPOINT)
+        plan = state.decide(cfg, read_header(path))
+        if plan.action == "resume":
+            verify(path)
+    except BaseException:
+        lock.release()
+        raise
+    return plan, lock
+
+
+def launch_workers(cfg: TrainConfig, model_fn=None, data_fn=None,
+                   faults: FaultInjector | None = None) -> dict | None:
+    """Start ``cfg.workers`` local workers on a prepared run directory; rank 0's summary."""
+    from ..launch import launch
+    from .loop import run_worker
+
+    results = launch(run_worker, cfg.workers, (cfg.to_dict(), model_fn, data_fn, faults, True),
+                     backend=cfg.backend, timeout_s=cfg.timeout,
+                     rdzv_endpoint=f"localhost:{cfg.port}", max_restarts=cfg.max_restarts)
+    return results.get(0)
+
+
+def usage_error_of(err: WorkerFailedError) -> UsageError | None:
+    """The one-line UsageError a worker failure stands for, if it is one."""
+    first = str(err).splitlines()[0]
+    m = re.match(r"worker rank \d+ failed: (\w+): (.*)", first)
+    if m and m.group(1) in ONE_LINE_ERRORS:
+        return UsageError(m.group(2))
+    return None
+
+
+def _config(config, model, data, overrides: dict) -> tuple[TrainConfig, object, object]:
+    if config is None:
+        config = TrainConfig(**overrides) if overrides else TrainConfig()
+    elif isinstance(config, dict):
+        config = TrainConfig(**{**config, **overrides})
+    elif overrides:
+        config = dataclasses.replace(config, **overrides)
+    model_fn = data_fn = None
+    changes = {}
+    if model is not None:
+        if isinstance(model, str) and not is_factory_spec(model):
+            changes["model"] = model
+        else:
+            changes["model"], model_fn = factory_name(model), None if isinstance(model, str) \
+                else model
+    if data is not None:
+        if isinstance(data, str) and not is_factory_spec(data):
+            changes["data"] = data
+        else:
+            changes["data"], data_fn = factory_name(data), None if isinstance(data, str) else data
+    if changes:
+        config = dataclasses.replace(config, **changes)
+    return config, model_fn, data_fn
+
+
+def train(config: TrainConfig | dict | None = None, model=None, data=None, *,
+          faults: FaultInjector | None = None, **overrides) -> dict | None:
+    """Train like ``gradsync train``; returns the run summary (rank 0 / the launcher).
+
+    Args:
+        config: a :class:`TrainConfig` (or a dict of its fields); ``overrides``
+            replace fields (``steps=100, out="runs/a"``).
+        model: a factory ``() -> nn.Module`` or ``"pkg.module:factory"`` (or a
+            built-in name); default ``config.model``.
+        data: a factory ``() -> Dataset | TrainData`` or ``"pkg.module:factory"``;
+            default ``config.data``.
+        faults: a :class:`FaultInjector` (tests of recovery).
+    Returns None when the run directory held a finished run (nothing is done),
+    on ranks other than 0, or after an injected stop.
+    """
+    cfg, model_fn, data_fn = _config(config, model, data, overrides)
+    if dist.is_initialized():
+        from .loop import run_worker
+
+        cfg = dataclasses.replace(cfg, workers=gdist.world_size())
+        return run_worker(cfg.to_dict(), model_fn, data_fn, faults, prepared=False)
+    plan, lock = preflight(cfg, model_fn)
+    try:
+        if lock.note():
+            print(f"gradsync train: {lock.note()}", flush=True)
+        if plan.action == "finished":
+            print(f"gradsync train: {cfg.out} already finished (step {plan.step} of "
+                  f"{cfg.steps}); nothing to do", flush=True)
+            return None
+        try:
+            return launch_workers(cfg, model_fn, data_fn, faults)
+        except WorkerFailedError as e:
+            usage = usage_error_of(e)
+            if usage is not None:
+                raise usage from None
+            raise
+    finally:
+        lock.release()

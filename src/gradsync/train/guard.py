@@ -1,0 +1,130 @@
+"""The run directory checked before any worker starts, and locked while a run uses it.
+
+Checks (each one line, exit 2, before any process is started): ``--out`` is a
+file; ``--out`` cannot be written (tested by writing, since root ignores mode
+bits but not a read-only mount); its device has less free space than one
+checkpoint needs (the previous checkpoint stays until the new one is complete,
+so a save needs a whole checkpoint's worth of free space).
+
+The lock is an advisory ``flock`` on ``OUT/gradsync.lock``, whose content names
+the holder (host, pid, start time). The kernel drops it when the holder exits,
+however it exits, so a lock left by a dead process is simply taken over (and
+said so); Linux's NFS client maps ``flock`` onto POSIX locks, which work across
+nodes. Who holds it: ``gradsync train`` (and ``gradsync.train()`` launching
+workers) holds it in the launching process for the whole run, restarts
+included, so its own workers never contend for it; under ``torchrun`` the
+launcher is not ours, so global rank 0 takes it after connecting -- a restarted
+rank 0 finds the lock its killed predecessor held already released.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+
+from ..errors import UsageError
+from ..rundir import LOCK
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def check_run_dir(out: str, need_bytes: int | None = None) -> None:
+    """Raise one UsageError naming the first problem with ``out``; create it if absent."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out} is a file, not a directory; choose another --out")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out} cannot be created: {e.strerror or e}") from None
+    probe = os.path.join(out, f".write-test-{os.getpid()}")
+    try:
+        with open(probe, "w") as f:
+            f.write("x")
+    except OSError as e:
+        why = ("read-only file system" if e.errno == errno.EROFS else
+               "no space left on device" if e.errno == errno.ENOSPC else e.strerror or str(e))
+        raise UsageError(f"--out {out} is not writable ({why}); choose another --out") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
+    if need_bytes:
+        free = shutil.disk_usage(out).free
+        if free < need_bytes:
+            raise UsageError(f"--out {out}: {_mib(free)} free on its device, but a checkpoint "
+                             f"needs about {_mib(need_bytes)}; free space or choose another "
+                             "--out")
+
+
+def _describe(holder: dict) -> str:
+    since = holder.get("since")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "?"
+    return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {when}"
+
+
+class RunLock:
+    """An exclusive, non-blocking lock on a run directory (see the module docstring)."""
+
+    def __init__(self, out: str):
+        self.out = out
+        self.path = os.path.join(out, LOCK)
+        self.fd: int | None = None
+        self.took_over: dict | None = None
+
+    def _read(self, fd: int) -> dict:
+        os.lseek(fd, 0, os.SEEK_SET)
+        raw = os.read(fd, 4096)
+        try:
+            return json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            return {}
+
+    def acquire(self) -> RunLock:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self._read(fd)
+            os.close(fd)
+            raise UsageError(f"{self.out} is in use by another gradsync run ({_describe(holder)}); "
+                             "wait for it to finish, or choose another --out") from None
+        previous = self._read(fd)
+        self.took_over = previous or None  # content without a lock: its holder died
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
+              "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        self.fd = fd
+        return self
+
+    def note(self) -> str | None:
+        """A line about a stale lock taken over, if there was one."""
+        if not self.took_over:
+            return None
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        if run_id and self.took_over.get("run_id") == run_id:
+            return None  # this run's own worker, before the launcher restarted it
+        return (f"took over the lock of a run that is no longer running "
+                f"({_describe(self.took_over)})")
+
+    def release(self) -> None:
+        """Empty the file (an empty lock file is a free one), then unlock."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(self.fd, 0)
+        os.close(self.fd)  # closing the last descriptor drops the flock
+        self.fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -1,0 +1,210 @@
+"""Setting up one worker's part of a run: directory, lock, resume decision, strategy, state.
+
+Rank 0 alone looks at the run directory (checks it, locks it unless the launcher
+already holds the lock, reads the checkpoint's header, verifies its checksums)
+and decides: start fresh, continue, or say the run is already finished. The
+decision -- or the one-line error -- is broadcast, so every rank acts on the
+same answer and raises the same error: nobody is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import dist as gdist
+from ..data.sampler import StepSampler
+from ..engine.strategy import Strategy, build_strategy
+from ..errors import UsageError
+from ..rundir import (
+    CHECKPOINT,
+    CONFIG,
+    DRIFT,
+    METRICS,
+    SUMMARY,
+    MetricsWriter,
+    truncate_metrics,
+    write_json,
+)
+from . import state
+from .checkpoint import read_header, remove_stale_temporaries, verify
+from .config import TrainConfig
+from .faults import FaultInjector
+from .guard import RunLock, check_run_dir
+from .instrument import Instruments, baseline_rate_of
+from .progress import RunDisplay
+from .task import Task, build_task, estimate_checkpoint_bytes
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    span = max(1, cfg.steps - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _interrupt_on_sigterm() -> None:
+    """The launcher stops workers with SIGTERM; unwind like Ctrl-C so cleanup runs."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+@dataclass
+class Session:
+    """Everything one worker holds for a run (built by :func:`setup`)."""
+
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    backend: str
+    accum: int
+    task: Task
+    strategy: Strategy
+    sampler: StepSampler
+    sched: torch.optim.lr_scheduler.LRScheduler
+    faults: FaultInjector
+    inst: Instruments
+    plan: state.ResumePlan
+    ckpt_path: str
+    started: float
+    start_step: int = 0
+    world_sizes: list[int] = field(default_factory=list)
+    lock: RunLock | None = None
+    writer: MetricsWriter | None = None
+    display: RunDisplay | None = None
+    baseline_rate: float | None = None
+    last_loss: float | None = None
+    last_eval: float | None = None
+    step_times: list[float] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    memory: object = None
+    loop_started: float = 0.0
+    last_checkpoint: int | None = None
+    items_per_step: int = 0
+
+    @property
+    def unit(self) -> str:
+        return self.task.data.item_name or "samples"
+
+    def close(self) -> None:
+        self.inst.close()
+        if self.writer:
+            self.writer.close()
+        if self.lock:
+            self.lock.release()
+
+
+def _prepare_run_dir(cfg: TrainConfig, prepared: bool, need: int | None):
+    """Rank 0: check, lock, decide. Returns (ResumePlan, RunLock | None).
+
+    ``prepared``: the launching process already checked the directory, verified
+    the checkpoint and holds the lock (``gradsync train``, :func:`gradsync.train`).
+    """
+    if not prepared:
+        check_run_dir(cfg.out, need)
+    lock = None if prepared else RunLock(cfg.out).acquire()
+    try:
+        remove_stale_temporaries(cfg.out)
+        path = os.path.join(cfg.out, CHECKPOINT)
+        plan = state.decide(cfg, read_header(path))
+        if plan.action == "resume" and not prepared:
+            verify(path)  # every byte, before anything uses it
+    except BaseException:
+        if lock:
+            lock.release()
+        raise
+    return plan, lock
+
+
+def _reset_files(cfg: TrainConfig, plan: state.ResumePlan) -> int:
+    """Rank 0: cut metrics back to the checkpoint's step; a finished mark no longer holds."""
+    removed = truncate_metrics(os.path.join(cfg.out, METRICS), plan.step)
+    for name in (SUMMARY,) + ((DRIFT,) if plan.action == "fresh" else ()):
+        path = os.path.join(cfg.out, name)
+        if os.path.exists(path):
+            os.remove(path)
+    return removed
+
+
+def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector | None = None,
+          prepared: bool = False) -> Session | None:
+    """This rank's Session, or None when the run directory holds a finished run."""
+    started = time.perf_counter()
+    info = gdist.info()
+    rank, world = info.rank, info.world_size
+    accum = cfg.accumulation(world)  # the same answer (or error) on every rank
+    _interrupt_on_sigterm()
+    faults = faults or FaultInjector()
+    faults.attempt = gdist.restart_count()  # a fault fires in one attempt, not in every restart
+    task = build_task(cfg, model_fn, data_fn)
+    outcome: tuple = ("error", "rank 0 did not decide")
+    lock = None
+    if rank == 0:
+        try:
+            need = None if prepared else estimate_checkpoint_bytes(cfg, model_fn)
+            plan, lock = _prepare_run_dir(cfg, prepared, need)
+            outcome = ("ok", plan)
+        except UsageError as e:
+            outcome = ("error", str(e))
+    outcome = state.agree(outcome)
+    if outcome[0] == "error":
+        raise UsageError(outcome[1])
+    plan: state.ResumePlan = outcome[1]
+    if plan.action == "finished":
+        if rank == 0:
+            print(f"gradsync train: {cfg.out} already finished (step {plan.step} of "
+                  f"{cfg.steps}); nothing to do. Pass a larger --steps to train further.",
+                  flush=True)
+            if lock:
+                lock.release()
+        return None
+    n = len(task.data.train)
+    if n < cfg.global_batch:
+        raise UsageError(f"--data {cfg.data} holds {n} samples, fewer than one global batch "
+                         f"({cfg.global_batch}); every step needs distinct samples")
+    strategy = build_strategy(task.model.to(info.device), cfg.strategy, cfg.precision,
+                              task.optimizer_class, bucket_cap_mb=cfg.bucket_cap_mb,
+                              **task.optimizer_kwargs)
+    sched = torch.optim.lr_scheduler.LambdaLR(strategy.optimizer, lambda s: lr_factor(s, cfg))
+    sess = Session(cfg, rank, world, info.device, info.backend, accum, task, strategy,
+                   StepSampler(n, cfg.global_batch, seed=cfg.seed), sched,
+                   faults, Instruments(cfg, rank, world, info.device), plan,
+                   os.path.join(cfg.out, CHECKPOINT), started, lock=lock)
+    sess.world_sizes = list(plan.world_sizes) if plan.action == "resume" else []
+    if plan.action == "resume":
+        sess.start_step = sess.last_checkpoint = state.load(sess)
+    if not sess.world_sizes or sess.world_sizes[-1] != world:
+        sess.world_sizes.append(world)
+    if rank == 0:
+        _open_rank0(sess)
+    return sess
+
+
+def _open_rank0(sess: Session) -> None:
+    cfg, plan = sess.cfg, sess.plan
+    _reset_files(cfg, plan)
+    write_json(os.path.join(cfg.out, CONFIG),
+               {**cfg.to_dict(), "optimizer": cfg.optimizer_name, "world_size": sess.world,
+                "world_sizes": sess.world_sizes, "accumulation": sess.accum,
+                "backend": sess.backend, "item_name": sess.unit,
+                "eval": sess.task.data.eval is not None and cfg.eval_every > 0})
+    sess.writer = MetricsWriter(os.path.join(cfg.out, METRICS))
+    sess.baseline_rate = baseline_rate_of(cfg)
+    sess.display = RunDisplay(cfg.steps, sess.start_step, sess.unit)
+    if sess.lock and sess.lock.note():
+        sess.display.say(f"gradsync train: {sess.lock.note()}")
+    if plan.action == "resume":
+        workers = "1 worker" if sess.world == 1 else f"{sess.world} workers"
+        sess.display.say(f"gradsync train: resuming from step {sess.start_step} of {cfg.steps} "
+                         f"({workers}, was {plan.was_world})")

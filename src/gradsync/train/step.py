@@ -1,0 +1,159 @@
+"""One optimizer step of `gradsync train`, and the held-out evaluation.
+
+A step draws its global batch from the :class:`StepSampler` (this rank takes its
+interleaved part and cuts it into ``accumulation`` micro-batches), runs all but
+the last micro-batch under ``no_sync()`` and calls ``backward(loss,
+num_items=n)``, so the gradient is the exact mean over every item of the global
+batch. Then, before the optimizer may touch anything: the global gradient norm
+(clipped to ``--clip``) and one all-gather of every rank's loss sum, item count,
+gradient norm and step figures. Every rank so learns the exact global mean loss
+and whether any rank saw a NaN or inf -- and decides alike: ``--on-nonfinite
+stop`` raises on every rank before the update (no checkpoint can hold a diverged
+model), ``skip-step`` drops the update on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import torch
+
+from ..data.sampler import StepSampler
+from ..engine import comm, tracing
+from ..errors import GradsyncError
+from ..rundir import StepRecord
+from .session import Session
+
+
+class NonFiniteError(GradsyncError):
+    """A NaN or inf loss or gradient norm; raised on every rank before the update."""
+
+
+def _nonfinite(stats: torch.Tensor, step: int) -> str | None:
+    for col, what in ((0, "loss"), (2, "gradient norm")):
+        values = [float(v) for v in stats[:, col]]
+        ranks = [r for r, v in enumerate(values) if not math.isfinite(v)]
+        if ranks:
+            return (f"non-finite {what} ({values[ranks[0]]}) at step {step} on rank(s) "
+                    f"{', '.join(map(str, ranks))}")
+    return None
+
+
+def _to(batch, device):
+    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in batch)
+
+
+def run_step(sess: Session, step: int) -> StepRecord:
+    """Train step ``step`` (1-based); rank 0 also writes its metrics line."""
+    cfg, strategy, task = sess.cfg, sess.strategy, sess.task
+    model = strategy.model
+    sess.inst.begin_step(step)
+    t0 = time.perf_counter()
+    share = StepSampler.share(sess.sampler.next_block(), sess.rank, sess.world)
+    m = len(share) // sess.accum
+    loss_sum, items = 0.0, 0
+    for k in range(sess.accum):
+        last = k == sess.accum - 1
+        poison = last and sess.faults.at_step(sess.rank, step, model.module)
+        x, y = _to(task.collate(task.data.train, share[k * m:(k + 1) * m]), sess.device)
+        n = task.items(x, y)
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss = task.data.loss_fn(model(x), y)
+            if poison:
+                loss = loss * float("nan")
+            model.backward(loss, num_items=n)
+        loss_sum += float(loss.detach()) * n
+        items += n
+    with tracing.span("optimizer"):
+        norm = float(strategy.clip_grad_norm_(cfg.clip))
+        stats = sess.inst.gather_stats(loss_sum, float(items), norm)
+        total_items = float(stats[:, 1].sum())
+        global_loss = float(stats[:, 0].sum()) / total_items
+        lr = strategy.optimizer.param_groups[0]["lr"]
+        problem = _nonfinite(stats, step)
+        if problem is None:
+            strategy.optimizer.step()
+            strategy.after_step(int(total_items))
+        elif cfg.on_nonfinite == "skip-step":
+            sess.skipped.append(step)
+        sess.sched.step()  # a skipped step still counts: the schedule follows step numbers
+        if step == cfg.steps:  # the summary's report: the step at its fullest,
+            sess.memory = strategy.memory_report()  # gradients and optimizer state both held
+        strategy.optimizer.zero_grad(set_to_none=True)
+    step_s = time.perf_counter() - t0
+    sess.step_times.append(step_s)
+    figures = sess.inst.step_figures(stats, step_s)  # the step's own, before any evaluation
+    sess.inst.end_step(step)
+    stop = problem is not None and cfg.on_nonfinite == "stop"
+    eval_loss = None if stop else maybe_evaluate(sess, step)
+    sess.last_loss = global_loss
+    sess.items_per_step = int(total_items)
+    rate = total_items / step_s
+    rec = StepRecord(step=step, loss=global_loss, lr=lr, items=int(total_items),
+                     world_size=sess.world, grad_norm=norm if problem is None else None,
+                     skipped=problem is not None, eval_loss=eval_loss,
+                     time_s=time.perf_counter() - sess.loop_started, unix_time=time.time(),
+                     samples_per_s=cfg.global_batch / step_s,
+                     tokens_per_s=rate if sess.unit == "tokens" else None,
+                     **figures)
+    if sess.baseline_rate:
+        rec.scaling_efficiency = rec.samples_per_s / (sess.world * sess.baseline_rate)
+    if sess.rank == 0:
+        sess.writer.write(rec)
+        sess.display.update(step, global_loss, rate, step_s, eval_loss)
+        if problem is not None and not stop:
+            sess.display.say(f"gradsync train: {problem}: update skipped on every rank")
+    if stop:
+        last = sess.last_checkpoint
+        where = (f"the last checkpoint (step {last}) is intact" if last else
+                 "no checkpoint had been written yet")
+        raise NonFiniteError(f"{problem}; stopped before the optimizer update, so no checkpoint "
+                             f"holds it and {where}. Lower --lr (or pass --on-nonfinite "
+                             "skip-step), then run the same command again to continue")
+    return rec
+
+
+def maybe_evaluate(sess: Session, step: int) -> float | None:
+    every = sess.cfg.eval_every
+    if not every or sess.task.data.eval is None:
+        return None
+    if step % every and step != sess.cfg.steps:
+        return None
+    sess.last_eval = evaluate(sess)
+    return sess.last_eval
+
+
+@torch.no_grad()
+def evaluate(sess: Session) -> float:
+    """The exact mean loss over the whole held-out set, the same number on every rank.
+
+    Rank ``r`` takes samples ``r, r + K, ...``, a training step's share at a time
+    (no activations are kept for backward, so a forward of that size fits); every
+    rank runs the same number of forwards (ZeRO-3 gathers parameters inside
+    forward, a collective), a rank with nothing left running one on sample 0 that
+    counts for nothing.
+    """
+    data, task, model = sess.task.data.eval, sess.task, sess.strategy.model
+    mine = list(range(sess.rank, len(data), sess.world))
+    m = sess.cfg.global_batch // sess.world
+    rounds = math.ceil(math.ceil(len(data) / sess.world) / m)
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    try:
+        for r in range(rounds):
+            idx = mine[r * m:(r + 1) * m]
+            x, y = _to(task.collate(data, idx or [0]), sess.device)
+            if idx:
+                n = task.items(x, y)
+                total += torch.tensor([float(task.data.loss_fn(model(x), y)) * n, n],
+                                      dtype=torch.float64)
+            else:
+                model(x)
+    finally:
+        model.train(was_training)
+    total = total.to(sess.device)
+    comm.all_reduce(total, tag="eval_loss")
+    return float(total[0] / total[1])

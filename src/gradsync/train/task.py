@@ -1,0 +1,161 @@
+"""What a run trains: the model, its data (training and held-out), the loss, what an item is.
+
+An *item* is what the loss averages over: a token for a language model (so the
+gradient is the exact mean over every target token of the global batch), a
+sample otherwise. The built-in models and datasets, and the user's own through
+``--model pkg.module:factory`` / ``--data pkg.module:factory``, all end up as one
+:class:`Task`.
+
+The factories' contracts (also in the README and ``examples/``):
+
+* model factory: ``factory() -> torch.nn.Module``, no arguments (the same
+  contract as ``gradsync plan memory --model`` and ``gradsync calibrate``). It
+  runs on every worker after ``torch.manual_seed(--seed)``; the engine then
+  broadcasts rank 0's values, so every replica starts identical anyway. The
+  module's own dtype is kept (``--precision fp32`` means "no mixed precision").
+* data factory: ``factory() -> Dataset | TrainData``, no arguments. A plain
+  map-style Dataset yields ``(input, target)`` pairs of tensors; the loss is then
+  cross-entropy over the last dimension when targets are integers (items = target
+  elements, i.e. tokens) and mean squared error otherwise (items = samples). A
+  :class:`TrainData` says it all explicitly and may carry a held-out set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..errors import UsageError
+from ..factory import factory_name, is_factory_spec, load_factory
+from ..models import build_model
+from .builtins import DATASETS, OPTIMIZERS, split_held_out
+from .config import TrainConfig
+
+
+@dataclass
+class TrainData:
+    """What a ``--data`` factory may return.
+
+    Args:
+        train: map-style dataset of ``(input, target)`` pairs.
+        eval: held-out dataset, evaluated every ``--eval-every`` steps (None: no eval).
+        loss_fn: ``(output, target) -> loss``, the *mean* over the micro-batch's items.
+        items_fn: ``(input, target) -> int``, how many items that mean is over.
+        collate_fn: ``list of (input, target) -> (inputs, targets)`` (default: stack).
+        item_name: what an item is, for throughput ("tokens", "samples").
+    Missing loss/items follow the target dtype (see the module docstring).
+    """
+
+    train: Dataset
+    eval: Dataset | None = None
+    loss_fn: Callable | None = None
+    items_fn: Callable | None = None
+    collate_fn: Callable | None = None
+    item_name: str | None = None
+
+
+@dataclass
+class Task:
+    model: nn.Module
+    data: TrainData
+    optimizer_class: type
+    optimizer_kwargs: dict
+    model_name: str
+    data_name: str
+
+    def collate(self, dataset: Dataset, indices: list[int]):
+        return self.data.collate_fn([dataset[i] for i in indices])
+
+    def items(self, x, y) -> int:
+        return int(self.data.items_fn(x, y))
+
+
+def _lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _stack(samples):
+    xs, ys = zip(*samples)
+    return torch.stack(xs), torch.stack(ys)
+
+
+def _token_items(x, y) -> int:
+    return int(y.numel())
+
+
+def _sample_items(x, y) -> int:
+    return int(x.shape[0])
+
+
+def builtin_data(name: str, cfg: TrainConfig) -> TrainData:
+    if name not in DATASETS:
+        raise UsageError(f"unknown data {name!r}; choose from {', '.join(DATASETS)}")
+    train, held = split_held_out(DATASETS[name][1](cfg.seq_len, cfg.seed))
+    return complete(TrainData(train, held))
+
+
+def complete(data: TrainData | Dataset) -> TrainData:
+    """Fill what a TrainData left out from its first sample's target dtype."""
+    if not isinstance(data, TrainData):
+        if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            raise UsageError(f"a data factory must return a map-style Dataset or a "
+                             f"gradsync.TrainData, got {type(data).__name__}")
+        data = TrainData(data)
+    if len(data.train) < 1:
+        raise UsageError("the training dataset is empty")
+    collate = data.collate_fn or _stack
+    if data.loss_fn is None or data.items_fn is None or data.item_name is None:
+        _, y = collate([data.train[0]])
+        integer = not torch.is_floating_point(y)
+        data.loss_fn = data.loss_fn or (_lm_loss if integer else F.mse_loss)
+        data.items_fn = data.items_fn or (_token_items if integer else _sample_items)
+        data.item_name = data.item_name or ("tokens" if integer else "samples")
+    data.collate_fn = collate
+    return data
+
+
+def build_task(cfg: TrainConfig, model_fn: Callable | None = None,
+               data_fn: Callable | None = None) -> Task:
+    """Model (seeded identically on every rank), data, loss, items and optimizer."""
+    torch.manual_seed(cfg.seed)
+    model_fn = model_fn or (load_factory(cfg.model) if is_factory_spec(cfg.model) else None)
+    if model_fn is not None:
+        model = model_fn()
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"model factory {factory_name(model_fn)} returned "
+                             f"{type(model).__name__}, not a torch.nn.Module")
+    elif cfg.model == "gpt":
+        model = build_model("gpt", seq_len=cfg.seq_len)
+    else:
+        model = build_model(cfg.model)
+    data_fn = data_fn or (load_factory(cfg.data) if is_factory_spec(cfg.data) else None)
+    data = complete(data_fn()) if data_fn is not None else builtin_data(cfg.data, cfg)
+    opt_cls, opt_kwargs = OPTIMIZERS[cfg.optimizer_name](cfg.lr)
+    return Task(model, data, opt_cls, opt_kwargs, cfg.model, cfg.data)
+
+
+def estimate_checkpoint_bytes(cfg: TrainConfig, model_fn: Callable | None = None) -> int | None:
+    """About how many bytes a checkpoint of this run takes (None: the model cannot be
+    built on the meta device to count it). Parameters, optimizer state (AdamW: 2
+    tensors per parameter, SGD: 1), an fp32 master copy with bf16, the full model
+    beside the shards for ZeRO."""
+    fn = model_fn or (load_factory(cfg.model) if is_factory_spec(cfg.model) else None)
+    try:
+        if fn is None:  # built-in: small, and building for real skips meta's first-use cost (1 s)
+            model = (build_model("gpt", seq_len=cfg.seq_len) if cfg.model == "gpt"
+                     else build_model(cfg.model))
+        else:
+            with torch.device("meta"):
+                model = fn()
+        tensors = list(model.parameters()) + list(model.buffers())
+        size = sum(t.numel() * t.element_size() for t in tensors)
+    except Exception:  # noqa: BLE001 - an estimate we cannot make is not an error
+        return None
+    copies = 1 + (2 if cfg.optimizer_name == "adamw" else 1)
+    copies += (cfg.precision != "fp32") + (cfg.strategy != "ddp")
+    return int(size * copies)

@@ -1,0 +1,86 @@
+"""Models and data for `gradsync train --model/--data tests.train.factories:NAME`.
+
+Tiny on purpose: the train tests are about resuming, world sizes and guards, so
+each step should cost nothing next to starting the workers. The recording
+dataset appends every index it serves to ``$GRADSYNC_TEST_RECORD/<pid>-rank<r>.txt``,
+which is how the world-size tests see what each worker trained on.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+import gradsync as gs
+
+N, D_IN, D_OUT, HIDDEN = 42, 6, 3, 8
+RECORD_ENV = "GRADSYNC_TEST_RECORD"
+
+
+def tiny64() -> nn.Module:
+    """A float64 tanh MLP (for exactness to 1e-12)."""
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN),
+                         nn.Tanh(), nn.Linear(HIDDEN, D_OUT)).double()
+
+
+def tiny32() -> nn.Module:
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, D_OUT))
+
+
+def wide32() -> nn.Module:
+    """About 1 MiB of float32 parameters: a checkpoint of ~2 MiB with SGD momentum."""
+    return nn.Sequential(nn.Linear(D_IN, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(),
+                         nn.Linear(512, D_OUT))
+
+
+def tensors(n: int = N, dtype=torch.float64, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, D_IN, generator=g, dtype=dtype)
+    y = torch.randn(n, D_OUT, generator=g, dtype=dtype)
+    return x, y
+
+
+class Recording(Dataset):
+    """(x[i], y[i]); records i when $GRADSYNC_TEST_RECORD names a directory."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+        self._file = None
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        where = os.environ.get(RECORD_ENV)
+        if where:
+            if self._file is None:
+                name = f"{os.getpid()}-rank{os.environ.get('RANK', '0')}.txt"
+                self._file = open(os.path.join(where, name), "a", buffering=1)
+            self._file.write(f"{i}\n")
+        return self.x[i], self.y[i]
+
+    def __getstate__(self):
+        return {"x": self.x, "y": self.y, "_file": None}
+
+
+def samples(x, y) -> int:
+    return len(x)
+
+
+def regression64() -> gs.TrainData:
+    """Float64 regression, recorded, with a held-out set; loss and items given explicitly
+    (so nothing probes the training set outside a step)."""
+    x, y = tensors()
+    hx, hy = tensors(10, seed=2)
+    return gs.TrainData(train=Recording(x, y), eval=torch.utils.data.TensorDataset(hx, hy),
+                        loss_fn=F.mse_loss, items_fn=samples, item_name="samples")
+
+
+def regression32() -> torch.utils.data.TensorDataset:
+    """A plain Dataset of float32 (input, target): the loss defaults to MSE."""
+    x, y = tensors(dtype=torch.float32)
+    return torch.utils.data.TensorDataset(x, y)
