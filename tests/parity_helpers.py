@@ -90,7 +90,9 @@ class Trainer:
                                          find_unused_parameters=find_unused,
                                          broadcast_buffers=broadcast_buffers)
         elif self.base == "fsdp":
-            self.model = gs.FullyShardedDataParallel(module, wrap=wrap, group=group)
+            self.model = gs.FullyShardedDataParallel(module, wrap=wrap, group=group,
+                                                     find_unused_parameters=find_unused,
+                                                     broadcast_buffers=broadcast_buffers)
         elif self.base == "local":
             self.model = module
         else:

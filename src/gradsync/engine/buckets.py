@@ -60,6 +60,7 @@ class Bucket:
             else:
                 view.copy_(g)
                 p.grad = view
+                self.zeroed = False
 
     def is_view(self, slot: int) -> bool:
         # Identity, not storage comparison: autograd accumulates in place, so the
@@ -74,6 +75,7 @@ class Bucket:
             view.zero_()
         else:
             view.copy_(p.grad)
+            self.zeroed = False
         p.grad = view
 
     def reset(self) -> None:

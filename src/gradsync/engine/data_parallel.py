@@ -87,6 +87,7 @@ class DataParallel(SyncedModule):
         self._ready: list[bool] = []
         self._used = [False] * len(self._params)  # over the open window, this rank
         self._order_log: list[int] | None = None
+        self._held: dict[int, torch.Tensor] | None = None  # during an empty rank's pass
         self._pass_t0 = 0.0
         self._install(self._layout.plan())
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -180,12 +181,26 @@ class DataParallel(SyncedModule):
         def hook(param):
             self._join()
             bucket, slot = self._layout.where(i)
-            bucket.zeroed = False
-            if not bucket.is_view(slot):
-                self._reduction.ensure(bucket)
-                bucket.adopt(slot)
-            if not self._empty:
-                self._used[i] = True
+            if self._held is not None:  # an empty rank's graph: add what arrived if finite
+                fresh, param.grad = param.grad, self._held.pop(i, None)
+                if fresh is not None and bool(torch.isfinite(fresh).all()):
+                    if param.grad is None:
+                        param.grad = fresh
+                    else:
+                        param.grad.add_(fresh)
+            elif self._empty and not bucket.is_view(slot):  # replayed zeros
+                param.grad = None
+            if param.grad is None or self._empty:  # undefined, or a rank without data:
+                if not bucket.is_view(slot):  # joins with zeros, not used
+                    self._reduction.ensure(bucket)
+                    bucket.views[slot].zero_()
+                    param.grad = bucket.views[slot]
+            else:
+                bucket.zeroed = False
+                if not bucket.is_view(slot):
+                    self._reduction.ensure(bucket)
+                    bucket.adopt(slot)
+                self._used[i] = self._used[i] or not self._empty
             if not self._syncing:
                 return
             if self._ready[i]:
@@ -200,7 +215,17 @@ class DataParallel(SyncedModule):
                 self._layout.launch_ready(self._reduction, self._window, self._used)
         return hook
 
-    def _replay_empty(self, forward_ran: bool) -> None:
+    def _hold_gradients(self) -> None:
+        self._held = {i: p.grad for i, p in enumerate(self._params) if p.grad is not None}
+        for i in self._held:
+            self._params[i].grad = None
+
+    def _pass_over(self) -> None:
+        for i, g in (self._held or {}).items():  # not reached by the empty rank's backward
+            self._params[i].grad = g
+        self._held = None
+
+    def _replay_backward(self) -> None:
         """Every hook fires with zeros (marked not used): the same buckets, the same order."""
         torch.autograd.backward(self._params, [torch.zeros_like(p) for p in self._params])
 
@@ -215,6 +240,7 @@ class DataParallel(SyncedModule):
             self._order_log = []
 
     def _sync_collect(self) -> Collected:
+        self._pass_over()
         missing = [i for i, ready in enumerate(self._ready) if not ready]
         for i in missing:  # zero contribution; launch so no peer waits on us
             bucket, slot = self._layout.where(i)

@@ -136,8 +136,11 @@ class FullyShardedDataParallel(SyncedModule):
     def _make_grad_hook(self, u):
         def hook(full):
             self._join()
-            g = full.grad
-            full.grad = None
+            g, full.grad = full.grad, None
+            if self._guard_nonfinite and not bool(torch.isfinite(g).all()):
+                g = torch.zeros_like(g)  # an empty rank's 0/0: contributes zero, not used
+            else:
+                u.used = [a or b for a, b in zip(u.used, u.joined)]
             self._gatherer.free(u)
             self._accept(u, g)
         return hook
@@ -255,14 +258,16 @@ class FullyShardedDataParallel(SyncedModule):
             u.part = u.reduced = u.ready = None
             u.used = [False] * len(u.used)
 
-    def _replay_empty(self, forward_ran: bool) -> None:
-        """The same collectives as a forward (unless one ran) and a backward, with zeros."""
-        if not forward_ran:
-            self._gatherer.release_all()
-            for u in self._units:  # the same gathers as a forward, keeping the same units
-                self._gatherer.gather(u, False)
-                if id(u) not in self._keep_for_backward:
-                    self._gatherer.free(u)
+    def _replay_forward(self) -> None:
+        """The same gathers as a forward, keeping the same units."""
+        self._gatherer.release_all()
+        for u in self._units:
+            self._gatherer.gather(u, False)
+            if id(u) not in self._keep_for_backward:
+                self._gatherer.free(u)
+
+    def _replay_backward(self) -> None:
+        """The same gathers and reductions as a backward, with zero gradients."""
         root = [u for u in self._units if u.module is self.module]
         rest = [u for u in self._units if u.module is not self.module]
         for u in root + rest[::-1]:

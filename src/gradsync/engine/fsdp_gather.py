@@ -43,6 +43,11 @@ class UnitGatherer:
             setattr(mod, attr, views[k])
 
     def free(self, u: FlatUnit) -> None:
+        """Release ``u``'s full buffer; a gather still in flight (prefetched for a unit
+        the forward then skipped) completes first, it is writing into that storage."""
+        if u.gather_pending is not None:
+            u.gather_pending.wait()
+            u.gather_pending = None
         u.kept = False
         u.full.untyped_storage().resize_(0)
 
@@ -54,7 +59,7 @@ class UnitGatherer:
                 self.launch(nxt)
 
     def release_all(self) -> None:
-        """Free whatever an earlier forward or pass left gathered (not in flight)."""
+        """Free whatever an earlier forward or pass left gathered."""
         for u in self.units:
-            if u.full.untyped_storage().nbytes() and u.gather_pending is None:
+            if u.full.untyped_storage().nbytes():
                 self.free(u)

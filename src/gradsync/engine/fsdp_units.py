@@ -42,7 +42,7 @@ class FlatUnit:
         self.has_grad = [False] * len(params)  # per parameter: .grad after the sync
         self.aside: tuple[torch.Tensor, list[bool]] | None = None  # from before the window
         self.used = [False] * len(params)  # got a gradient in the open window (this rank)
-        self.joined = [False] * len(params)  # got a gradient (or zeros) in this sync pass
+        self.joined = [False] * len(params)  # got a gradient (or zeros) in this pass
         self.grad_seen = False
         self.bw_gathered = False
         self.kept = False  # gathered in forward and kept for its backward
@@ -80,7 +80,7 @@ class UnflattenParams(torch.autograd.Function):
         u = ctx.unit
         for k, g in enumerate(grads):
             if g is not None:
-                u.used[k] = u.joined[k] = True
+                u.joined[k] = True
         flat = torch.empty(u.layout.padded, dtype=grads[0].dtype if grads[0] is not None
                            else u.full.dtype)
         for piece, g in zip(u.views_of(flat), grads):

@@ -117,6 +117,7 @@ class SyncedModule(nn.Module):
         self._buffers_due = True  # DDP's require_forward_param_sync, True before any forward
         self._in_pass = self._joined = self._syncing = self._empty = False
         self._forward_ran = False  # a grad-enabled forward since the last joined pass
+        self._guard_nonfinite = False  # an empty rank's backward through its graph
         self._window = ItemWindow(self.world_size, self.rank)
         self._window_joined = False  # a pass of the open accumulation window joined
         self._trace_t0: float | None = None
@@ -149,9 +150,15 @@ class SyncedModule(nn.Module):
     def _sync_reset(self) -> None:
         """A sync failed after its collectives completed: forget this pass's state."""
 
-    def _replay_empty(self, forward_ran: bool) -> None:
-        """Rule 5: issue this rank's share of a backward's collectives with zero gradients
-        (and of the forward's, when ``forward_ran`` is False)."""
+    def _hold_gradients(self) -> None:
+        """Before an empty rank's backward through its graph: keep gradients where
+        autograd cannot accumulate into them in place (what arrives is checked first)."""
+
+    def _replay_forward(self) -> None:
+        """Rule 5: the collectives of a forward this rank without data did not run."""
+
+    def _replay_backward(self) -> None:
+        """Rule 5: this rank's share of a backward's collectives, with zero gradients."""
         raise NotImplementedError
 
     def _param_names(self) -> list[str]:
@@ -245,23 +252,43 @@ class SyncedModule(nn.Module):
             raise UsageError(f"backward() got num_items={num_items} but no loss")
         with self._window.item_pass(n):
             if n == 0:
-                self._empty_pass()
+                self._empty_pass(loss, backward_kwargs)
             else:
                 (loss * n).backward(**backward_kwargs)
 
-    def _empty_pass(self) -> None:
-        """Rule 5: this rank has no data; replay the forward's collectives if it did not
-        run one (a buffer broadcast, stage 3's gathers), then the backward's, with zeros."""
-        forward_ran = self._forward_ran
-        if not forward_ran:
+    def _empty_pass(self, loss, backward_kwargs) -> None:
+        """Rule 5: this rank has no data.
+
+        With a graph from a forward (the loss of an empty batch, NaN as a mean over
+        nothing is) the backward runs through it with a zero output gradient: then
+        collectives inside the graph (SyncBatchNorm's backward, stage 3's gathers)
+        happen here as on every other rank, and what arrives is this rank's true
+        share when its rows are coupled to others' (batch statistics over the
+        global batch give rows without items a gradient). A non-finite arrival
+        (0/0 of a mean over nothing) counts as zero and never touches what the
+        window already holds. Without a graph, the forward's collectives (a buffer
+        broadcast, stage 3's gathers) are replayed if no forward ran, then the
+        backward's, with zeros.
+        """
+        if (loss is not None and self._forward_ran and isinstance(loss, torch.Tensor)
+                and loss.requires_grad):
+            self._guard_nonfinite = True
+            self._hold_gradients()
+            try:
+                torch.autograd.backward(loss, torch.zeros_like(loss), **backward_kwargs)
+            finally:
+                self._guard_nonfinite = False
+            return
+        if not self._forward_ran:
             self._sync_buffers()
             self._forward_sync = self._require_sync
             self._buffers_due = self._require_sync
+            self._replay_forward()
         self._start_pass(queue=False)
         self._empty = True
         try:
             self._join()
-            self._replay_empty(forward_ran)
+            self._replay_backward()
         finally:
             self._empty = False
         self._end_pass()
