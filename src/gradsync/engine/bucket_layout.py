@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..errors import UsageError
 from . import comm
-from .autotune import BucketAutotuner
+from .autotune import AutotuneResult, BucketAutotuner
 from .bucketing import BucketSpec, ParamSpec, mb_to_bytes, plan_buckets
 from .buckets import Bucket
 from .item_window import HEADER_SLOTS
@@ -156,3 +156,47 @@ class BucketLayout:
         if [s.params for s in specs] != [b.spec.params for b in self.buckets]:
             return specs
         return None
+
+
+class BucketAccess:
+    """DataParallel's read-only view of its layout, for reductions, planners and reports."""
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self._layout.buckets
+
+    def where(self, i: int) -> tuple[Bucket, int]:
+        """(bucket, slot) of trainable parameter ``i``."""
+        return self._layout.where(i)
+
+    @property
+    def trainable_params(self) -> list[torch.nn.Parameter]:
+        return list(self._params)
+
+    @property
+    def trainable_names(self) -> list[str]:
+        return list(self._names)
+
+    @property
+    def bucket_plan(self) -> list[BucketSpec]:
+        """The bucket assignment in use (launch order), as the planner sees it."""
+        return self._layout.plan_in_use
+
+    @property
+    def param_specs(self) -> list[ParamSpec]:
+        """Trainable parameters in registration order (tied weights once)."""
+        return list(self._specs)
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return self._layout.cap_bytes
+
+    @property
+    def first_bucket_bytes(self) -> int:
+        return self._layout.first_bytes
+
+    @property
+    def autotune_result(self) -> AutotuneResult | None:
+        """Candidates, the slowest rank's median per candidate and the choice (``"auto"`` only)."""
+        tuner = self._layout.autotuner
+        return None if tuner is None else tuner.result

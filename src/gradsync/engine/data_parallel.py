@@ -23,16 +23,15 @@ from torch import nn
 
 from ..errors import UsageError
 from . import tracing
-from .autotune import AutotuneResult, BucketAutotuner
-from .bucket_layout import BucketLayout, trainable_parameters
-from .bucketing import BucketSpec, ParamSpec, mb_to_bytes
-from .buckets import Bucket
+from .autotune import BucketAutotuner
+from .bucket_layout import BucketAccess, BucketLayout, trainable_parameters
+from .bucketing import BucketSpec, mb_to_bytes
 from .reduction import AllReduceBuckets, BucketReduction
 from .replicas import broadcast_module_state, comm_device, verify_same_structure
 from .sync_core import Collected, SyncedModule
 
 
-class DataParallel(SyncedModule):
+class DataParallel(BucketAccess, SyncedModule):
     """Wrap ``module`` for data-parallel training over ``group`` (default: the world).
 
     Args:
@@ -118,46 +117,6 @@ class DataParallel(SyncedModule):
         reduction.attach(self)
         self._layout.rebuilt, self._order_log = True, None
         self._install(self._layout.plan_in_use)
-
-    @property
-    def buckets(self) -> list[Bucket]:
-        return self._layout.buckets
-
-    def where(self, i: int) -> tuple[Bucket, int]:
-        """(bucket, slot) of trainable parameter ``i``."""
-        return self._layout.where(i)
-
-    @property
-    def trainable_params(self) -> list[nn.Parameter]:
-        return list(self._params)
-
-    @property
-    def trainable_names(self) -> list[str]:
-        return list(self._names)
-
-    @property
-    def bucket_plan(self) -> list[BucketSpec]:
-        """The bucket assignment in use (launch order), as the planner sees it."""
-        return self._layout.plan_in_use
-
-    @property
-    def param_specs(self) -> list[ParamSpec]:
-        """Trainable parameters in registration order (tied weights once)."""
-        return list(self._specs)
-
-    @property
-    def bucket_cap_bytes(self) -> int:
-        return self._layout.cap_bytes
-
-    @property
-    def first_bucket_bytes(self) -> int:
-        return self._layout.first_bytes
-
-    @property
-    def autotune_result(self) -> AutotuneResult | None:
-        """Candidates, the slowest rank's median per candidate and the choice (``"auto"`` only)."""
-        tuner = self._layout.autotuner
-        return None if tuner is None else tuner.result
 
     # ------------------------------------------------------------------ core hooks
     def _run_forward(self, args, kwargs):

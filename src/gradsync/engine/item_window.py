@@ -15,6 +15,7 @@ for DataParallel, ZeroOptimizer (through DataParallel) and FullyShardedDataParal
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -98,3 +99,19 @@ class ItemWindow:
                                  "ranks and micro-steps); the mean loss is undefined")
             return items
         return float(self.world_size)
+
+
+def as_count(num_items) -> float:
+    """``num_items`` as a whole number >= 0 (a Python number or a one-element tensor)."""
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1:
+            raise UsageError(
+                f"num_items must be a scalar, got a tensor of shape {tuple(num_items.shape)}")
+        num_items = num_items.item()
+    try:
+        n = float(num_items)
+    except (TypeError, ValueError):
+        raise UsageError(f"num_items must be a number, got {num_items!r}") from None
+    if not math.isfinite(n) or n < 0 or n != int(n):
+        raise UsageError(f"num_items counts items: a whole number >= 0, got {num_items!r}")
+    return n

@@ -39,7 +39,6 @@ only intended difference is the divisor (the global item count with
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +47,7 @@ from torch import nn
 
 from ..errors import UnusedParametersError, UsageError
 from . import comm, tracing
-from .item_window import HEADER_SLOTS, ItemWindow
+from .item_window import HEADER_SLOTS, ItemWindow, as_count
 from .replicas import broadcast_tensors, comm_device
 
 
@@ -62,22 +61,6 @@ def tensors_in(obj):
     elif isinstance(obj, dict):
         for o in obj.values():
             yield from tensors_in(o)
-
-
-def as_count(num_items) -> float:
-    """``num_items`` as a whole number >= 0 (a Python number or a one-element tensor)."""
-    if isinstance(num_items, torch.Tensor):
-        if num_items.numel() != 1:
-            raise UsageError(
-                f"num_items must be a scalar, got a tensor of shape {tuple(num_items.shape)}")
-        num_items = num_items.item()
-    try:
-        n = float(num_items)
-    except (TypeError, ValueError):
-        raise UsageError(f"num_items must be a number, got {num_items!r}") from None
-    if not math.isfinite(n) or n < 0 or n != int(n):
-        raise UsageError(f"num_items counts items: a whole number >= 0, got {num_items!r}")
-    return n
 
 
 @dataclass
