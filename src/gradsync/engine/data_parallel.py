@@ -23,6 +23,7 @@ from torch import nn
 
 from ..errors import UsageError
 from . import tracing
+from .algorithm_buckets import AlgorithmBuckets
 from .autotune import BucketAutotuner
 from .bucket_layout import BucketAccess, BucketLayout, trainable_parameters
 from .bucketing import BucketSpec, mb_to_bytes
@@ -50,7 +51,13 @@ class DataParallel(BucketAccess, SyncedModule):
             statistics) exactly when torch DDP does: before the first forward and
             before any forward that follows a synchronised grad-enabled forward,
             training or evaluating.
-        reduction: how buckets travel (default :class:`AllReduceBuckets`).
+        collectives: ``"native"`` (the backend's all-reduce), or a reference algorithm
+            on a communication thread: ``"hierarchical"`` (two-level, for hosts joined
+            by a slow link; ``topology`` or torchrun's layout), ``"ring"``, ``"tree"``,
+            ``"server"`` (``algorithm_buckets.py``).
+        topology: a :class:`~gradsync.engine.algorithms.HostTopology` for
+            ``"hierarchical"`` (e.g. ``HostTopology(ranks_per_host=2)``).
+        reduction: how buckets travel, overriding ``collectives`` (e.g. compression).
 
     ``state_dict()``/``load_state_dict()`` are the unwrapped module's: checkpoints
     carry no ``module.`` prefix.
@@ -58,7 +65,8 @@ class DataParallel(BucketAccess, SyncedModule):
 
     def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float | str = 25,
                  first_bucket_mb: float = 1, find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True, reduction: BucketReduction | None = None):
+                 broadcast_buffers: bool = True, collectives: str = "native",
+                 topology=None, reduction: BucketReduction | None = None):
         super().__init__(module, group, find_unused_parameters, broadcast_buffers,
                          "DataParallel")
         if isinstance(bucket_cap_mb, str):
@@ -80,9 +88,13 @@ class DataParallel(BucketAccess, SyncedModule):
             bucket_cap_mb = tuner.current_mb
         self._layout = BucketLayout(self._params, self._specs, mb_to_bytes(bucket_cap_mb),
                                     mb_to_bytes(first_bucket_mb), group, self._comm_device, tuner)
+        self.collectives = collectives
+        self._custom_reduction = reduction is not None  # ZeRO may replace a collectives choice
+        if reduction is None and collectives != "native":
+            reduction = AlgorithmBuckets(collectives, topology)
         self._reduction: BucketReduction = reduction or AllReduceBuckets()
-        self._custom_reduction = reduction is not None
         self._reduction.attach(self)
+        self.topology = getattr(self._reduction, "topology", None) or topology
         self._ready: list[bool] = []
         self._used = [False] * len(self._params)  # over the open window, this rank
         self._order_log: list[int] | None = None

@@ -38,6 +38,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import UsageError
+from . import comm
+from .algorithm_buckets import host_topology
+from .algorithms import HostTopology
+from .comm_thread import private_group
 from .fsdp_gather import UnitGatherer
 from .fsdp_units import FlatUnit, build_units, first_names, slot_names
 from .precision import MixedPrecision, cast_inputs_hook
@@ -58,21 +62,35 @@ class FullyShardedDataParallel(SyncedModule):
         collectives: ``"auto"`` | ``"native"`` | ``"all_reduce"`` | ``"pairwise"``
             (see ``shard_comm``; ``"auto"`` is ``"pairwise"`` on gloo, ``"native"`` on NCCL).
         find_unused_parameters, broadcast_buffers: as :class:`gradsync.DataParallel`.
+        hybrid: ``True`` or a :class:`~gradsync.engine.algorithms.HostTopology`: shard
+            inside a host and replicate across hosts (HSDP): gathers and gradient
+            reduce-scatters stay on the fast intra-host links, and only each rank's
+            gradient shard is all-reduced across hosts (default group only).
     """
 
     MAX_INFLIGHT = 4  # gradient reductions in flight before waiting for the oldest
 
     def __init__(self, module: nn.Module, wrap=None, mixed_precision: MixedPrecision | None = None,
                  prefetch: int = 1, group=None, collectives: str = "auto",
-                 find_unused_parameters: bool = False, broadcast_buffers: bool = True):
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 hybrid=False):
         super().__init__(module, group, find_unused_parameters, broadcast_buffers,
                          "FullyShardedDataParallel")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise UsageError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        if hybrid and group is not None:
+            raise UsageError("hybrid sharding (HSDP) shards over the default group's hosts")
         self.mixed_precision, self.prefetch = mixed_precision, prefetch
-        self.world, self.rank = self.world_size, self.rank
-        self.comm = ShardComm.for_group(group, collectives)
-        self._grad_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
+        self.topology = (hybrid if isinstance(hybrid, HostTopology)
+                         else host_topology(None) if hybrid else None)
+        shard_group = self.topology.intra_group if self.topology else group
+        self.shard_group = shard_group
+        self.world, self.rank = dist.get_world_size(shard_group), dist.get_rank(shard_group)
+        self.writes_shards = self.topology is None or self.topology.host == 0  # checkpoints
+        self.comm = ShardComm.for_group(shard_group, collectives)
+        self._grad_group = private_group(shard_group)
+        self._replica_group = self.topology.inter_group if self.topology else None
+        self._sum_group = private_group(None) if self.topology else self._grad_group
         self._dev = comm_device(group)
         verify_same_structure(module, group, what="FullyShardedDataParallel")
         broadcast_module_state(module, group)
@@ -94,7 +112,7 @@ class FullyShardedDataParallel(SyncedModule):
         root = [u for u in self._units if u.module is module]
         rest = [u for u in self._units if u.module is not module]
         self._root = root[0] if root else None
-        self._gatherer = UnitGatherer(self._units, self.comm, group, self.rank, prefetch)
+        self._gatherer = UnitGatherer(self._units, self.comm, shard_group, self.rank, prefetch)
         self._reduce_order = rest[::-1] + root
         # kept gathered from forward into backward (FSDP2 keeps the root; DeepSpeed's
         # reuse distance keeps what is needed again at once): the root, and the last
@@ -176,6 +194,9 @@ class FullyShardedDataParallel(SyncedModule):
         pending, part = u.reduced
         pending.wait()
         u.part, u.reduced = part.clone(), None
+        if self._replica_group is not None:  # HSDP: the same shard on every host, summed
+            u.replica = comm.all_reduce(u.part, self._replica_group, async_op=True,
+                                        tag=f"replica{u.index}")
 
     # ------------------------------------------------------------------ core hooks
     def _run_forward(self, args, kwargs):
@@ -224,7 +245,7 @@ class FullyShardedDataParallel(SyncedModule):
         self._next_reduce, self._inflight = 0, []
         for u in self._units:
             u.grad_seen = False
-        self._launch_header(self._grad_group)
+        self._launch_header(self._sum_group)
 
     def _sync_collect(self) -> Collected:
         for u in self._reduce_order:  # not reached in this backward: a zero contribution
@@ -233,8 +254,12 @@ class FullyShardedDataParallel(SyncedModule):
                 self._accept(u, torch.zeros(u.layout.padded, dtype=u.full.dtype))
         while self._inflight:
             self._finalize(self._inflight.pop(0))
+        for u in self._units:
+            if u.replica is not None:
+                u.replica.wait()
+                u.replica = None
         missing = [i for i, (u, k) in enumerate(self._slots) if not u.joined[k]]
-        used = (self._sum_used([u.used[k] for u, k in self._slots], self._grad_group)
+        used = (self._sum_used([u.used[k] for u, k in self._slots], self._sum_group)
                 if self.find_unused_parameters else None)
         return Collected(self._summed_header(), used, missing)
 
@@ -287,7 +312,8 @@ class FullyShardedDataParallel(SyncedModule):
         out = dict(self.module.state_dict())
         for u in self._units:
             full = torch.empty(u.layout.padded, dtype=u.shard.dtype)
-            self.comm.gather(full, u.shard, self.rank, self.group, tag=f"state{u.index}").wait()
+            self.comm.gather(full, u.shard, self.rank, self.shard_group,
+                             tag=f"state{u.index}").wait()
             pieces = full[:u.layout.numel].split(list(u.layout.numels))
             for (_mod, _attr, k), name in zip(u.slots, slot_names(self.module, u)):
                 out[name] = pieces[k].view(u.shapes[k]).clone()

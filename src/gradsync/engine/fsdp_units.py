@@ -38,6 +38,7 @@ class FlatUnit:
         self.ready: torch.Tensor | None = None  # this pass's gradient, waiting to launch
         self.reduced = None  # (Pending, slice, source) of the launched reduction
         self.part: torch.Tensor | None = None  # reduced slice, not yet divided
+        self.replica = None  # HSDP: the cross-host all-reduce of ``part`` in flight
         self.grad: torch.Tensor | None = None  # this rank's slice of the synced gradient
         self.has_grad = [False] * len(params)  # per parameter: .grad after the sync
         self.aside: tuple[torch.Tensor, list[bool]] | None = None  # from before the window

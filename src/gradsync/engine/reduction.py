@@ -34,12 +34,13 @@ EXACT_SUM_DTYPES = (torch.float32, torch.float64)
 class BucketReduction:
     """The protocol (with do-nothing defaults where that is a valid choice).
 
-    ``piggyback``: buckets are summed exactly, in place, so small integer slots
-    (the item-window header, the used mask) may ride at the end of a bucket buffer
-    instead of costing collectives of their own.
+    ``piggyback``: buckets are summed in place, exactly for whole numbers, so small
+    integer slots (the item-window header, the used mask) may ride at the end of a
+    bucket buffer instead of costing collectives of their own.
     """
 
     piggyback = False
+    exact_sum = False  # sums exactly (whole numbers survive): slots may ride in buckets
 
     def attach(self, dp) -> None:
         """Called once by DataParallel before its buckets are (re)built."""
@@ -77,6 +78,8 @@ class AllReduceBuckets(BucketReduction):
     bits at every addition) and round once into the bucket.
     """
 
+    exact_sum = True
+
     def __init__(self, reduce_dtype: torch.dtype | None = None):
         self.reduce_dtype = reduce_dtype
         self._src: dict[int, torch.Tensor] = {}
@@ -86,7 +89,7 @@ class AllReduceBuckets(BucketReduction):
         super().attach(dp)
         dtypes = {p.dtype for p in dp.trainable_params}
         wide = self.reduce_dtype is not None and dtypes != {self.reduce_dtype}
-        self.piggyback = not wide and type(self).communicate is AllReduceBuckets.communicate
+        self.piggyback = not wide and self.exact_sum
 
     # -------------------------------------------------------------- communication
     def launch(self, bucket: Bucket) -> comm.Pending:

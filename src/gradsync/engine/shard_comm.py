@@ -37,12 +37,14 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .algorithms import hierarchical
 
-REDUCE_OPS = ("reduce_scatter", "all_reduce", "pairwise")
-GATHER_OPS = ("all_gather", "all_reduce", "pairwise")
+REDUCE_OPS = ("reduce_scatter", "all_reduce", "pairwise", "hierarchical")
+GATHER_OPS = ("all_gather", "all_reduce", "pairwise", "hierarchical")
 CHOICES = {"native": ("reduce_scatter", "all_gather"),
            "all_reduce": ("all_reduce", "all_reduce"),
-           "pairwise": ("pairwise", "pairwise")}
+           "pairwise": ("pairwise", "pairwise"),
+           "hierarchical": ("hierarchical", "hierarchical")}
 _TAG_SPACE = 1 << 24  # gloo point-to-point tags; messages of one operation share one
 
 
@@ -58,6 +60,8 @@ class ShardComm:
     reduce_op: str = "reduce_scatter"
     gather_op: str = "all_gather"
     _tags: dict = field(default_factory=dict, compare=False, repr=False)
+    topology: object = field(default=None, compare=False, repr=False)  # for "hierarchical"
+    _thread: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.reduce_op not in REDUCE_OPS:
@@ -66,14 +70,24 @@ class ShardComm:
             raise ValueError(f"gather_op must be one of {GATHER_OPS}, got {self.gather_op!r}")
 
     @staticmethod
-    def for_group(group=None, choice: str = "auto") -> ShardComm:
+    def for_group(group=None, choice: str = "auto", topology=None) -> ShardComm:
         """``choice``: ``"auto"`` (per backend, as measured), ``"native"``,
-        ``"all_reduce"`` or ``"pairwise"``."""
+        ``"all_reduce"``, ``"pairwise"`` or ``"hierarchical"`` (two-level reduce-scatter
+        and all-gather over ``topology``, default torchrun's hosts, on a communication
+        thread: for hosts joined by a slow link)."""
         if choice == "auto":
             choice = "pairwise" if dist.get_backend(group) == "gloo" else "native"
         if choice not in CHOICES:
             raise ValueError("collectives must be 'auto', " + ", ".join(map(repr, CHOICES))
                              + f", got {choice!r}")
+        if choice == "hierarchical":
+            from .algorithm_buckets import host_topology
+            from .comm_thread import CommThread
+
+            if group is not None:
+                raise ValueError("collectives='hierarchical' shards over the default group")
+            return ShardComm(*CHOICES[choice], topology=host_topology(topology),
+                             _thread=CommThread("gradsync-zero"))
         return ShardComm(*CHOICES[choice])
 
     def _p2p_tag(self, group) -> int:
@@ -90,6 +104,10 @@ class ShardComm:
         overwritten (the all-reduce and pairwise paths work in place).
         """
         n = full.numel() // world
+        if self.reduce_op == "hierarchical":
+            out = torch.empty(n, dtype=full.dtype, device=full.device)
+            return self._thread.submit(hierarchical.reduce_scatter, out, full, self.topology,
+                                       tag=tag), out
         if self.reduce_op == "all_reduce":
             pending = comm.all_reduce(full, group, async_op=True, tag=tag)
             return pending, full[rank * n:(rank + 1) * n]
@@ -129,6 +147,9 @@ class ShardComm:
         it at once; it may be that slice itself.
         """
         n = shard.numel()
+        if self.gather_op == "hierarchical":  # a copy: the caller may change ``shard`` at once
+            return self._thread.submit(hierarchical.all_gather, full, shard.to(full.dtype,
+                                       copy=True), self.topology, tag=tag)
         mine = full[rank * n:(rank + 1) * n]
         if self.gather_op == "all_reduce":
             if mine.data_ptr() == shard.data_ptr():

@@ -111,9 +111,11 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
         stage: 1 (shard optimizer state) or 2 (also gradients).
         mixed_precision: a :class:`MixedPrecision`; the module's parameters are cast
             to ``param_dtype`` and the fp32 master lives in the shard.
-        collectives: ``"auto"`` (per backend, measured; see ``shard_comm``),
-            ``"native"`` (reduce-scatter/all-gather), ``"all_reduce"`` or
-            ``"pairwise"`` (point-to-point exchanges; what ``"auto"`` picks on gloo).
+        collectives: ``"auto"`` (per backend, measured; see ``shard_comm``; follows a
+            DataParallel built with ``collectives="hierarchical"``), ``"native"``
+            (reduce-scatter/all-gather), ``"all_reduce"``, ``"pairwise"``
+            (point-to-point exchanges; what ``"auto"`` picks on gloo) or
+            ``"hierarchical"`` (two-level, over the model's or torchrun's hosts).
         **optimizer_kwargs: passed to ``optimizer_class``.
     """
 
@@ -133,7 +135,9 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
         self.model, self.stage = model, stage
         self.group, self.world, self.rank = model.group, model.world_size, model.rank
         self.mixed_precision = mixed_precision
-        self.comm = ShardComm.for_group(self.group, collectives)
+        if collectives == "auto" and getattr(model, "collectives", "native") == "hierarchical":
+            collectives = "hierarchical"  # follow the DataParallel it wraps
+        self.comm = ShardComm.for_group(self.group, collectives, getattr(model, "topology", None))
         originals = {id(p): p.detach().clone() for p in model.parameters()}
         if mixed_precision is not None:
             with torch.no_grad():

@@ -98,12 +98,13 @@ def save_sharded(path, target, optimizer=None, _fail_before_manifest: bool = Fal
     kind, stage, bufs = _buffers(target, optimizer)
     group = target.group
     world, rank = target.world, target.rank
+    lead = rank == 0 and getattr(target, "writes_shards", True)  # HSDP: host 0's rank 0
     device = comm_device(group)
     final = Path(path)
     token = torch.tensor([time.time_ns() % 2**52], dtype=torch.float64, device=device)
     comm.broadcast(token, 0, group, tag="ckpt_token")
     tmp = final.with_name(f"{final.name}.tmp-{int(token.item())}")
-    if rank == 0:
+    if lead:
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier(group, device)
     records = []
@@ -118,14 +119,15 @@ def save_sharded(path, target, optimizer=None, _fail_before_manifest: bool = Fal
     payload = {"records": records,
                "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                 for g in opt0.param_groups] if opt0 is not None else [],
-               "extra": _extra_state(target, kind) if rank == 0 else None}
+               "extra": _extra_state(target, kind) if lead else None}
     buf = io.BytesIO()
     torch.save(payload, buf)
-    _write_atomic(tmp / f"shard-{rank:05d}-of-{world:05d}.pt", buf.getvalue())
+    if getattr(target, "writes_shards", True):  # HSDP: one host's copy of every shard
+        _write_atomic(tmp / f"shard-{rank:05d}-of-{world:05d}.pt", buf.getvalue())
     _barrier(group, device)
     if _fail_before_manifest:
         raise RuntimeError("simulated interruption before the manifest was written")
-    if rank == 0:
+    if lead:
         files = {}
         for r in range(world):
             f = tmp / f"shard-{r:05d}-of-{world:05d}.pt"

@@ -32,6 +32,8 @@ class CompressedBuckets(AllReduceBuckets):
     comm_group: the compression thread's group (default: a new one with the same ranks).
     """
 
+    exact_sum = False  # the item header travels separately, exactly
+
     def __init__(self, compressor: Compressor, exact_windows: int = 1,
                  reduce_dtype: torch.dtype | None = None, comm_group=None):
         if not isinstance(compressor, Compressor):
