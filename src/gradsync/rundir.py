@@ -162,6 +162,9 @@ class StepRecord:
     samples_per_s: float = 0.0
     tokens_per_s: float | None = None
     scaling_efficiency: float | None = None
+    sent_bytes: int | None = None  # this rank on the wire, when the strategy counts it
+    grad_cosine: float | None = None  # compressed vs exact gradient, on probed steps
+    grad_rel_error: float | None = None
 
     def to_json(self) -> dict:
         return _drop_none(asdict(self), keep=("loss", "grad_norm"))

@@ -40,6 +40,7 @@ from .fsdp import FullyShardedDataParallel
 from .memory import MemoryReport, report_data_parallel
 from .mixed_dp import MixedPrecisionOptimizer
 from .precision import parse_precision
+from .sync_options import SyncOptions
 from .zero import ZeroOptimizer
 
 PRECISIONS = ("fp32", "bf16")
@@ -91,12 +92,20 @@ class Strategy:
         limit = math.inf if not max_norm else float(max_norm)
         return _clip(self._clip_target(), limit)
 
-    def after_step(self, num_items: int) -> None:
+    def after_step(self, num_items: int, last: bool = False) -> None:
         """Called after every optimizer step (not after a skipped one), on every rank.
 
-        ``num_items`` is the global item count of the step. Exact synchronisation
-        has nothing to do here; a local-update method does its outer step here.
+        ``num_items`` is the global item count of the step; ``last``: the run's final
+        step. Exact synchronisation has nothing to do here; a local-update method
+        does its outer step here (and a final sync on the last step).
         """
+
+    def step_report(self) -> dict:
+        """Figures of the step just taken for its metrics line, beyond what the loop
+        measures: ``sent_bytes`` (this rank, on the wire), and for compressed
+        gradients on probed steps ``grad_cosine`` / ``grad_rel_error`` against the
+        exact gradient. Empty for exact synchronisation."""
+        return {}
 
     # ----------------------------------------------------------------- reports
     def memory_report(self) -> MemoryReport:
@@ -206,28 +215,58 @@ def default_wrap(module: nn.Module) -> set[type] | None:
     return {best[1]} if best else None
 
 
-def _ddp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, **opt_kwargs):
+def _ddp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=None,
+         **opt_kwargs):
+    sync = sync or SyncOptions()
+    if sync.method != "exact":
+        from .local_builders import build_local
+        return build_local(module, precision, optimizer_class, group, sync, **opt_kwargs)
     mp = parse_precision(precision)
-    model = DataParallel(module, group=group, bucket_cap_mb=bucket_cap_mb)
+    reduction = None
+    if sync.compress != "none":
+        from .local_builders import compressed_reduction
+        reduction = compressed_reduction(sync, mp)
+    model = DataParallel(module, group=group, bucket_cap_mb=bucket_cap_mb,
+                         collectives=sync.collectives, reduction=reduction)
     if mp is not None:
         opt = MixedPrecisionOptimizer(model, optimizer_class, mp, **opt_kwargs)
     else:
         opt = optimizer_class(model.parameters(), **opt_kwargs)
+    if reduction is not None:
+        from .local_strategy import CompressedStrategy
+        return CompressedStrategy("ddp", precision, model, opt, reduction)
     return DataParallelStrategy("ddp", precision, model, opt)
 
 
+def _exact_only(name: str, sync) -> SyncOptions:
+    sync = sync or SyncOptions()
+    if sync.method != "exact" or sync.compress != "none":
+        raise UsageError(f"--strategy {name} synchronises exactly: --sync {sync.method} and "
+                         f"--compress {sync.compress} need --strategy ddp")
+    return sync
+
+
 def _zero(stage: int):
-    def build(module, precision, optimizer_class, bucket_cap_mb, wrap, group, **opt_kwargs):
-        model = DataParallel(module, group=group, bucket_cap_mb=bucket_cap_mb)
+    def build(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=None,
+              **opt_kwargs):
+        sync = _exact_only(f"zero{stage}", sync)
+        model = DataParallel(module, group=group, bucket_cap_mb=bucket_cap_mb,
+                             collectives=sync.collectives)
         opt = ZeroOptimizer(model, optimizer_class, stage=stage,
                             mixed_precision=parse_precision(precision), **opt_kwargs)
         return ZeroStrategy(f"zero{stage}", precision, model, opt)
     return build
 
 
-def _fsdp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, **opt_kwargs):
+def _fsdp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=None,
+          **opt_kwargs):
+    sync = _exact_only("zero3", sync)
+    if sync.collectives not in ("native", "hierarchical"):
+        raise UsageError(f"--strategy zero3 takes --collectives native or hierarchical "
+                         f"(hybrid sharding), not {sync.collectives}")
     model = FullyShardedDataParallel(module, wrap=wrap or default_wrap(module),
-                                     mixed_precision=parse_precision(precision), group=group)
+                                     mixed_precision=parse_precision(precision), group=group,
+                                     hybrid=sync.collectives == "hierarchical")
     return FullyShardedStrategy("zero3", precision, model,
                                 optimizer_class(model.parameters(), **opt_kwargs))
 
@@ -252,19 +291,24 @@ def register_strategy(name: str, builder: StrategyBuilder, fixed_buckets: bool =
 
 def build_strategy(module: nn.Module, strategy: str, precision: str, optimizer_class,
                    bucket_cap_mb: float | str = 25.0, wrap=None, group=None,
-                   bucket_mb: float | str | None = None, **opt_kwargs) -> Strategy:
+                   bucket_mb: float | str | None = None, sync: SyncOptions | None = None,
+                   **opt_kwargs) -> Strategy:
     """Wrap ``module`` and build its optimizer; returns a :class:`Strategy`.
 
     strategy: a name in :data:`STRATEGIES` (``ddp`` | ``zero1`` | ``zero2`` | ``zero3``);
     precision: ``fp32`` | ``bf16``. ``bucket_cap_mb`` is the gradient bucket cap
     (DDP, ZeRO-1/2; ``bucket_mb`` is an older spelling of it); ``wrap`` the stage-3
-    units; ``opt_kwargs`` go to ``optimizer_class``.
+    units; ``sync`` how gradients travel (:class:`SyncOptions`: exact by default;
+    compression, local updates, hierarchical collectives); ``opt_kwargs`` go to
+    ``optimizer_class``.
     """
     if strategy not in STRATEGIES:
         raise UsageError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     parse_precision(precision)  # a bad precision is named before anything is built
     if bucket_mb is not None:
         bucket_cap_mb = bucket_mb
+    if sync is not None:
+        opt_kwargs["sync"] = sync
     return STRATEGIES[strategy](module, precision, optimizer_class, bucket_cap_mb, wrap,
                                 group, **opt_kwargs)
 

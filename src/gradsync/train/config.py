@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from ..dist import BACKENDS
 from ..engine.strategy import FIXED_BUCKETS, PRECISIONS, STRATEGIES
+from ..engine.sync_options import COLLECTIVES, SYNC_METHODS, SyncOptions
 from ..errors import UsageError
 from ..factory import is_factory_spec
 from ..models import MODELS
@@ -61,6 +62,16 @@ class TrainConfig:
     data: str = field(default="", metadata={"help": "built-in data (pysrc, random-tokens for gpt; teacher for mlp) or your own, pkg.module:factory (returning a Dataset of (input, target) or a gradsync.TrainData); default follows --model", "type": _data_arg})
     strategy: str = field(default="ddp", metadata={"help": "ddp: replicate everything; zero1: shard optimizer state; zero2: also gradients; zero3: also parameters (FSDP)", "choices": tuple(STRATEGIES)})
     precision: str = field(default="fp32", metadata={"help": "fp32 (the model's own dtype), or bf16: compute in bf16 with fp32 master weights, optimizer state and gradient reduction", "choices": PRECISIONS})
+    sync: str = field(default="exact", metadata={"help": "exact: every step's gradient is the exact mean over the global batch; diloco: --sync-every local steps, then an outer Nesterov step on the item-weighted average of where the workers went (arXiv 2311.08105); streaming-diloco: the same in --fragments staggered fragments, overlapped with the next --sync-delay steps (arXiv 2501.18512)", "choices": SYNC_METHODS})
+    sync_every: int = field(default=25, metadata={"help": "H: local steps between syncs (diloco, streaming-diloco)"})
+    fragments: int = field(default=2, metadata={"help": "F: fragments of streaming-diloco, synced at staggered steps (peak traffic per step drops F-fold)"})
+    sync_delay: int = field(default=1, metadata={"help": "tau: local steps a streaming-diloco fragment's sync overlaps before it is applied"})
+    sync_alpha: float = field(default=0.5, metadata={"help": "streaming-diloco: weight of the local parameters when a synced fragment is merged"})
+    outer_lr: float = field(default=0.7, metadata={"help": "learning rate of diloco's outer SGD (Nesterov momentum --outer-momentum)"})
+    outer_momentum: float = field(default=0.9, metadata={"help": "momentum of diloco's outer SGD (0 and --outer-lr 1: Local SGD, plain parameter averaging)"})
+    compress: str = field(default="none", metadata={"help": "gradient compression, spending exactness on purpose: none, bf16, fp16, powersgd:R (error feedback), int8 (blockwise, error feedback); with diloco: the pseudo-gradient (bf16, fp16, int8)"})
+    collectives: str = field(default="native", metadata={"help": "how gradients are summed: native (the backend's all-reduce), hierarchical (inside each host first, then across hosts: for hosts joined by a slow link; zero3 becomes hybrid sharding), ring, tree or server (reference algorithms)", "choices": COLLECTIVES})
+    probe_every: int = field(default=25, metadata={"help": "with --compress: every N steps also sum the exact gradient once and record the compressed one's cosine and relative error (0: never)"})
     seq_len: int = field(default=128, metadata={"help": "tokens per sample for the built-in token data"})
     clip: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this value (0 disables)"})
     on_nonfinite: str = field(default="stop", metadata={"help": "a NaN/inf loss or gradient norm: stop (before any checkpoint is written, exit 1) or skip-step (skip that optimizer update on every rank)", "choices": NONFINITE_CHOICES})
@@ -123,11 +134,21 @@ class TrainConfig:
                              f"use one of {', '.join(DATA_FOR_MODEL[self.model])}")
         if not self.out:
             self.out = time.strftime("runs/%Y%m%d-%H%M%S")
+        self.sync_options()  # the same checks as the engine's, before any worker starts
         if self.drift_every < 0 or self.baseline_steps < 1:
             raise UsageError("--drift-every must be >= 0 and --baseline-steps >= 1")
         if self.trace_steps:
             self.trace = True
         self.trace_window()
+
+    def sync_options(self) -> SyncOptions:
+        if self.compress.split(":")[0] not in ("none", "bf16", "fp16", "powersgd", "int8"):
+            raise UsageError(f"unknown --compress {self.compress!r}; choose none, bf16, fp16, "
+                             "powersgd:R or int8")
+        return SyncOptions(method=self.sync, every=self.sync_every, fragments=self.fragments,
+                           delay=self.sync_delay, alpha=self.sync_alpha, outer_lr=self.outer_lr,
+                           outer_momentum=self.outer_momentum, compress=self.compress,
+                           collectives=self.collectives, probe_every=self.probe_every)
 
     @property
     def optimizer_name(self) -> str:

@@ -175,6 +175,7 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
                          f"({cfg.global_batch}); every step needs distinct samples")
     strategy = build_strategy(task.model.to(info.device), cfg.strategy, cfg.precision,
                               task.optimizer_class, bucket_cap_mb=cfg.bucket_cap_mb,
+                              sync=cfg.sync_options(),
                               **task.optimizer_kwargs)
     sched = torch.optim.lr_scheduler.LambdaLR(strategy.optimizer, lambda s: lr_factor(s, cfg))
     sess = Session(cfg, rank, world, info.device, info.backend, accum, task, strategy,

@@ -40,8 +40,9 @@ from ..errors import UsageError
 from ..rundir import SHARDS
 from .checkpoint import FORMAT, VERSION, atomic_save, load_checkpoint, storage_error
 
-MUST_MATCH = ("model", "data", "seq_len", "global_batch", "seed", "strategy", "precision")
-_OLD_DEFAULTS = {"strategy": "ddp", "precision": "fp32"}
+MUST_MATCH = ("model", "data", "seq_len", "global_batch", "seed", "strategy", "precision",
+              "sync", "compress")
+_OLD_DEFAULTS = {"strategy": "ddp", "precision": "fp32", "sync": "exact", "compress": "none"}
 
 
 @dataclass

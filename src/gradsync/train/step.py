@@ -75,7 +75,7 @@ def run_step(sess: Session, step: int) -> StepRecord:
         problem = _nonfinite(stats, step)
         if problem is None:
             strategy.optimizer.step()
-            strategy.after_step(int(total_items))
+            strategy.after_step(int(total_items), last=step == cfg.steps)
         elif cfg.on_nonfinite == "skip-step":
             sess.skipped.append(step)
         sess.sched.step()  # a skipped step still counts: the schedule follows step numbers
@@ -97,7 +97,7 @@ def run_step(sess: Session, step: int) -> StepRecord:
                      time_s=time.perf_counter() - sess.loop_started, unix_time=time.time(),
                      samples_per_s=cfg.global_batch / step_s,
                      tokens_per_s=rate if sess.unit == "tokens" else None,
-                     **figures)
+                     **figures, **strategy.step_report())
     if sess.baseline_rate:
         rec.scaling_efficiency = rec.samples_per_s / (sess.world * sess.baseline_rate)
     if sess.rank == 0:

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import comm
 from ..reduction import AllReduceBuckets
-from .base import Compressor
+from .base import Compressor, gradient_distance
 from .thread import CompressionThread
 
 
@@ -35,7 +36,8 @@ class CompressedBuckets(AllReduceBuckets):
     exact_sum = False  # the item header travels separately, exactly
 
     def __init__(self, compressor: Compressor, exact_windows: int = 1,
-                 reduce_dtype: torch.dtype | None = None, comm_group=None):
+                 reduce_dtype: torch.dtype | None = None, comm_group=None,
+                 probe_every: int = 0):
         if not isinstance(compressor, Compressor):
             raise TypeError(f"CompressedBuckets needs a Compressor, got {type(compressor).__name__}"
                             " (parse_compression('none') is None: use no reduction at all)")
@@ -48,18 +50,40 @@ class CompressedBuckets(AllReduceBuckets):
         self.windows = 0  # synchronised windows completed
         self._comm_group = comm_group
         self._thread: CompressionThread | None = None
+        self.probe_every = int(probe_every)
+        self.last_distance: tuple[float, float] | None = None  # (cosine, relative error)
+        self._probes: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def attach(self, dp) -> None:
         super().attach(dp)
         if self._thread is None:
             self._thread = CompressionThread(self.compressor, dp.group, self._comm_group)
 
+    def probing(self) -> bool:
+        """This window also sums an exact copy, to measure the distance from exact."""
+        w = self.windows - self.exact_windows
+        return bool(self.probe_every) and w >= 0 and w % self.probe_every == 0
+
     def communicate(self, bucket, src):
         if self.windows < self.exact_windows:
             return super().communicate(bucket, src)
-        return self._thread.launch(bucket.spec.index, src, [p.shape for p in bucket.params])
+        shapes = [p.shape for p in bucket.params]
+        exact = src.clone() if self.probing() else None
+        pending = self._thread.launch(bucket.spec.index, src, shapes)
+        if exact is None:
+            return pending
+        self._probes[bucket.spec.index] = (src, exact, bucket.spec.numel)
+        # on the same thread, after the compressed sum: waiting for it waits for both
+        return self._thread.submit(comm.all_reduce, exact, self._thread.group,
+                                   tag=f"probe{bucket.spec.index}")
 
     def complete(self, divisor: float, used: list[bool]) -> None:
+        if self._probes:  # the whole gradient, compressed vs exact (both still sums)
+            probes = [self._probes[k] for k in sorted(self._probes)]
+            approx = torch.cat([a[:n].double() for a, _e, n in probes])
+            exact = torch.cat([e[:n].double() for _a, e, n in probes])
+            self.last_distance = gradient_distance(approx, exact)
+            self._probes = {}
         self.windows += 1
         super().complete(divisor, used)
 

@@ -35,6 +35,10 @@ class CompressionThread:
         """Start reducing ``flat`` (which the caller leaves alone until ``wait()``)."""
         return self._thread.submit(self.compressor.all_reduce_, key, flat, shapes, self.group)
 
+    def submit(self, fn, *args, **kwargs) -> comm.Pending:
+        """Run ``fn`` on the same thread, after what was launched before."""
+        return self._thread.submit(fn, *args, **kwargs)
+
     def close(self) -> None:
         """Wait for what was launched and stop the thread."""
         self._thread.close()
