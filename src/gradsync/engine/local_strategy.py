@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import UsageError
+from .compress.base import ring_bytes
 from .item_window import as_count
 from .memory import MemoryReport, held, optimizer_bytes
 from .strategy import DataParallelStrategy, Strategy
@@ -96,6 +97,9 @@ class CompressedStrategy(_PerRankState, DataParallelStrategy):
     def step_report(self) -> dict:
         stats = self.reduction.compressor.stats()
         sent, self._sent = stats.sent_bytes - self._sent, stats.sent_bytes
+        if not sent:  # an exact window (the first): what its all-reduces put on the wire
+            sent = sum(ring_bytes(b.spec.nbytes, dist.get_world_size())
+                       for b in self.model.buckets)
         report = {"sent_bytes": sent}
         if self.reduction.last_distance is not None:
             report["grad_cosine"], report["grad_rel_error"] = self.reduction.last_distance

@@ -160,6 +160,12 @@ class Strategy:
 class DataParallelStrategy(Strategy):
     """``ddp``: replicate everything (bf16: fp32 master copy, MixedPrecisionOptimizer)."""
 
+    def step_report(self) -> dict:
+        """Bytes on the wire per synchronised step: the bandwidth-optimal 2 (N-1)/N of every
+        bucket (a ring all-reduce's, or a two-level one's across the slowest link)."""
+        n = self.model.world_size
+        return {"sent_bytes": sum(2 * (n - 1) * b.spec.nbytes // n for b in self.model.buckets)}
+
     def memory_report(self) -> MemoryReport:
         if isinstance(self.optimizer, MixedPrecisionOptimizer):
             return self.optimizer.memory_report()

@@ -89,6 +89,42 @@ def breakdown_figure(run: RunData) -> bytes | None:
     return _png(fig)
 
 
+def communication_figure(run: RunData) -> bytes | None:
+    """Bytes communicated per step and, for compressed gradients, the distance from exact.
+
+    ``sent_bytes`` (what this rank put on the wire, counted by a compressing or
+    local-update strategy) when the run has it, else ``comm_bytes`` (the tensors
+    handed to collectives). Probed steps add the compressed gradient's cosine with
+    the exact one and its relative error.
+    """
+    key = "sent_bytes" if any(m.get("sent_bytes") is not None for m in run.metrics) \
+        else "comm_bytes"
+    x, y = _series(run, key)
+    if not x:
+        return None
+    cx, cy = _series(run, "grad_cosine")
+    rx, ry = _series(run, "grad_rel_error")
+    rows = 2 if cx else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(6.4, 2.6 * rows + 0.4), sharex=True,
+                             squeeze=False)
+    ax = axes[0][0]
+    ax.bar(x, [v / 2**20 for v in y], color=COLORS["forward"])
+    ax.set(ylabel="MiB per step (rank 0)",
+           title="Communication: " + ("bytes on the wire" if key == "sent_bytes"
+                                      else "bytes handed to collectives"))
+    ax.grid(alpha=0.3)
+    if cx:
+        dax = axes[1][0]
+        dax.plot(cx, cy, "o-", ms=3, label="cosine with the exact gradient")
+        dax.plot(rx, ry, "s-", ms=3, color="#e45756", label="relative error")
+        dax.set(xlabel="step", ylabel="distance from exact")
+        dax.legend(fontsize=8)
+        dax.grid(alpha=0.3)
+    else:
+        ax.set(xlabel="step")
+    return _png(fig)
+
+
 def memory_figure(run: RunData) -> bytes | None:
     peaks: list[float] = []
     for m in run.metrics:
@@ -147,6 +183,7 @@ def make_figures(run: RunData, measured: StepTimeline | None,
     for name, png in (("loss.png", loss_figure(run)),
                       ("throughput.png", throughput_figure(run)),
                       ("step_breakdown.png", breakdown_figure(run)),
+                      ("communication.png", communication_figure(run)),
                       ("timeline.png", timeline_figure(measured, predicted)),
                       ("memory.png", memory_figure(run))):
         if png is not None:
