@@ -20,7 +20,8 @@ from gradsync.observe.report import REPORT
 from tests.browser import needs_chromium, run_page
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-FIGURES = ["loss.png", "throughput.png", "step_breakdown.png", "timeline.png", "memory.png"]
+FIGURES = ["loss.png", "throughput.png", "step_breakdown.png", "communication.png", "timeline.png",
+           "memory.png"]
 
 
 def run_cli(*args, timeout=240):
