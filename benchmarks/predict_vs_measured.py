@@ -13,7 +13,7 @@ every size alike.
 The prediction for a size is ``simulate_step`` on the profile built from the
 rounds' medians; the measurement is the median over all its timed steps. Prints
 bucket MB, predicted ms, measured ms and error %, and the median absolute error
-(target: at most 15%, issue 4 item 5); also a paired error (median over rounds of
+(target: at most 15%); also a paired error (median over rounds of
 each round's prediction over that round's step, which cancels slow drift in the
 machine's load) and the error of the same profile with free overlap.
 """

@@ -15,7 +15,7 @@ Three variants of DataParallel train the same MLP on 2 gloo workers:
 
 Timed blocks alternate (none, off, on, then rotated) inside one invocation, so
 drift of a shared, noisy machine hits all variants alike; each block's median step
-is taken and the medians of those are compared. Target (issue 5): off costs < 2%.
+is taken and the medians of those are compared. Target: off costs < 2%.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from torch import nn
 
 D_IN, D_OUT = 6, 3
 SHARDED_STEPS = 20
-SHARDED_TOL = {"sgd": 1e-12, "adamw": 1e-9}  # issue 3's bounds after 20 float64 steps
+SHARDED_TOL = {"sgd": 1e-12, "adamw": 1e-9}  # sharded vs unsharded, after 20 float64 steps
 
 
 def mlp(seed: int = 0, hidden: int = 12, depth: int = 2) -> nn.Module:

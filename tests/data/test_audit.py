@@ -15,7 +15,7 @@ def test_partition():
 
 
 def test_overlap_and_missing():
-    # the seed's case study: every worker drawing from the full dataset
+    # no distributed sampler: every worker drawing from the full dataset
     a = summarize_shards([[0, 1, 1], [1, 4], []], 6)
     assert a.duplicated == {1: [0, 0, 1]}
     assert a.n_duplicate_draws == 2

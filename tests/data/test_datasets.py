@@ -1,4 +1,4 @@
-"""The stdlib corpus, token windows, random tokens and the seed's regression data."""
+"""The stdlib corpus, token windows, random tokens and the tanh regression data."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """DataParallel against one process on the whole global batch, in float64.
 
 The claim is exactness: gap to the single process <= 1e-12 and replicas
-bitwise identical (seed 000's "max drift across reps: 0").
+bitwise identical (max drift across replicas: 0).
 """
 
 import pytest

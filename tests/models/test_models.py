@@ -1,4 +1,4 @@
-"""Built-in models: seed init, GPT shapes, tying, causality, checkpointing, registry."""
+"""Built-in models: NumPy reference init, GPT shapes, tying, causality, checkpointing, registry."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from gradsync.models import (
 TINY = dict(seq_len=16, d_model=32, n_layers=2, n_heads=4)
 
 
-def test_tanh_mlp_from_seed_matches_numpy_init():
-    m = TanhMLP.from_seed(16, 32)
+def test_tanh_mlp_from_reference_init_matches_numpy_init():
+    m = TanhMLP.from_reference_init(16, 32)
     g = np.random.default_rng(0)
     W1 = g.standard_normal((16, 32)) * 0.1
     W2 = g.standard_normal((32, 1)) * 0.1
@@ -114,12 +114,12 @@ def test_registry():
         build_model("gpt", width=3)
 
 
-def test_seed_example_single_machine_final_loss():
-    """Seed 000 section 3 prints 0.179049 after 200 full-batch SGD steps, lr 0.02."""
+def test_tanh_regressor_single_machine_final_loss():
+    """The NumPy reference reaches 0.179049 after 200 full-batch SGD steps, lr 0.02."""
     from gradsync.data import make_regression
 
     X, y = make_regression()
-    m = TanhMLP.from_seed(16, 32)
+    m = TanhMLP.from_reference_init(16, 32)
     opt = torch.optim.SGD(m.parameters(), lr=0.02)
     for _ in range(200):
         opt.zero_grad()

@@ -1,4 +1,4 @@
-"""The seeds' batch table (001) and parameter-server vs ring exercise (003)."""
+"""The batch recipe gbs = mbs x grad_acc x dp and parameter server vs ring all-reduce."""
 
 import pytest
 
@@ -14,7 +14,7 @@ from gradsync.plan.comm import (
 from gradsync.plan.units import parse_rate
 
 
-def test_seed_batch_table():
+def test_batch_table_4m_tokens_seq_4096():
     plan = plan_batch(4_000_000, 4096, 2, [128, 512, 1024])
     assert int(plan.samples_exact) == 976
     assert plan.samples == 1024
@@ -43,7 +43,7 @@ def test_batch_bad_input(kw):
         plan_batch(**args)
 
 
-def test_seed_ps_vs_ring_exercise():
+def test_ps_vs_ring_2b_fp16_gradients_at_25gbps():
     plan = plan_comm(int(2e9), 2, [8, 64, 512], 25e9)
     ps = [r.ps_ingress_s for r in plan.rows]
     ring = [r.ring_s for r in plan.rows]

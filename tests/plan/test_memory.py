@@ -1,4 +1,4 @@
-"""Seed numbers (seed 001) and edge cases of the memory planner."""
+"""ZeRO's model-state numbers (arXiv 1910.02054, section 3.1); edge cases of the memory planner."""
 
 import pytest
 from hypothesis import given, settings

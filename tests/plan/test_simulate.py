@@ -1,4 +1,4 @@
-"""Invariants of the step simulator (seed 002's widgets, DDP paper figure 2)."""
+"""Invariants of the step simulator (the bucket-size valley of arXiv 2006.15704, figure 2)."""
 
 import json
 

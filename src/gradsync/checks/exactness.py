@@ -1,10 +1,10 @@
 """Does K-worker training reproduce one process on the whole batch? Measured, not assumed.
 
-Reproduces seed 000's demonstration with real processes: a two-layer tanh MLP,
-N=4096, d=16, H=32, K=8, 200 full-batch SGD steps, lr 0.02, float64. Expected:
-drift across replicas exactly 0, gap to the single process at machine epsilon,
-final loss 0.179049 for both. A second run gives replica 0 half the data and
-splits the rest (the seed's exercise): the average of per-rank means
+The worked example, run on real processes: a two-layer tanh regressor,
+N=4096, d=16, H=32, K=8 workers, 200 full-batch SGD steps, lr 0.02, float64.
+Expected: drift across replicas exactly 0, gap to the single process at machine
+epsilon, final loss 0.179049 for both. A second run gives replica 0 half the data
+and splits the rest among the other K-1 (uneven shards): the average of per-rank means
 (plain ``loss.backward()``) is then off, ``num_items`` weighting is not.
 """
 
@@ -64,7 +64,7 @@ def even_shards(n: int, k: int) -> list[np.ndarray]:
 
 
 def uneven_shards(n: int, k: int) -> list[np.ndarray]:
-    """Replica 0 gets half the data, the others split the rest (seed 000's exercise)."""
+    """Replica 0 gets half the data, the others split the rest (uneven shards)."""
     if k == 1:
         return [np.arange(n)]
     half = n // 2
@@ -77,7 +77,7 @@ def _loss(model, x, y):
 
 def train_single(cfg: ExactnessConfig, steps: int | None = None):
     x, y = make_regression(cfg.n, cfg.d)
-    model = TanhMLP.from_seed(cfg.d, cfg.hidden)
+    model = TanhMLP.from_reference_init(cfg.d, cfg.hidden)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     for _ in range(cfg.steps if steps is None else steps):
         _loss(model, x, y).backward()
@@ -95,7 +95,7 @@ def train_replica(cfg: ExactnessConfig, shards, use_items: bool, steps: int | No
     rank = dist.get_rank()
     x, y = make_regression(cfg.n, cfg.d)
     idx = torch.as_tensor(shards[rank])
-    dp = DataParallel(TanhMLP.from_seed(cfg.d, cfg.hidden))
+    dp = DataParallel(TanhMLP.from_reference_init(cfg.d, cfg.hidden))
     opt = torch.optim.SGD(dp.parameters(), lr=cfg.lr)
     for _ in range(cfg.steps if steps is None else steps):
         loss = _loss(dp, x[idx], y[idx])

@@ -1,6 +1,6 @@
 """Audit what every rank's sampler really hands out in one epoch, on real processes.
 
-Seed 000's case study: without a distributed sampler every rank draws from the
+The failure it catches: without a distributed sampler every rank draws from the
 whole dataset, and the "global batch" is mostly duplicates. The audit gathers
 the indices each rank consumed and reports overlaps and missing indices.
 """

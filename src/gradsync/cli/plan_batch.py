@@ -1,4 +1,4 @@
-"""`gradsync plan batch`: the batch recipe gbs = mbs x grad_acc x dp (seed 001, section 6)."""
+"""`gradsync plan batch`: the batch recipe gbs = mbs x grad_acc x dp (arXiv 2104.04473)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from ..plan.units import parse_count, parse_int_list
 from ._common import positive, print_json
 
 EPILOG = """\
-example (the seed's table): gradsync plan batch --tokens 4M --seq-len 4096
+example (4M-token batch, 4096-token samples): gradsync plan batch --tokens 4M --seq-len 4096
   --micro-batch 2 --workers 128,512,1024   -> 976 -> 1024 samples; 4, 1, below 1"""
 
 

@@ -11,7 +11,7 @@ from ._common import positive, print_json
 
 EPILOG = """\
 Units: GB = 1e9 bytes, GB/s = 1e9 bytes/s (a bare bandwidth number means GB/s).
-example (seed 003's exercise): gradsync plan comm 2e9 --itemsize 2
+example (parameter server vs ring, 2e9 fp16 gradients): gradsync plan comm 2e9 --itemsize 2
   --bandwidth 25GB/s --workers 8,64,512   -> PS ingress 1.28/10.24/81.92 s,
   ring all-reduce 0.28/0.315/0.319 s"""
 

@@ -13,7 +13,8 @@ def register(sub, help_line: str) -> argparse.ArgumentParser:
         "verify",
         help=help_line,
         description=(
-            "Train the seeds' two-layer tanh MLP on K worker processes and on one process over "
+            "Train a two-layer tanh MLP on a noisy tanh regression on K worker processes and "
+            "on one process over "
             "the same global batch (float64), and report drift across replicas, the gap to the "
             "single process and both final losses; exit 1 above --tolerance. Also shows that on "
             "uneven shards the average of per-rank means is off while num_items weighting is "

@@ -11,8 +11,9 @@ Gradients travel bucket by bucket (the DataParallel bucket plan), so each bucket
 its own flat buffer, sharded on its own. A rank's optimizer shard is the
 concatenation of its slice of every bucket.
 
-Also here: the seed's model-state formulas (bytes per parameter with Adam in mixed
-precision, k = 12): 16P, 4P + 12P/N, 2P + 14P/N, 16P/N. No torch import.
+Also here: ZeRO's model-state formulas (arXiv 1910.02054, sections 3.1 and 5;
+2 + 2 + k bytes per parameter with Adam in mixed precision, k = 12): 16P,
+4P + 12P/N, 2P + 14P/N, 16P/N. No torch import.
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ STAGE_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 
 
 def model_state_bytes(num_params: int, world: int, stage: int, k: int = 12) -> float:
-    """Seed formulas for model-state bytes per rank (2-byte params and grads, k bytes
-    of optimizer state per parameter; k = 12 for Adam with fp32 master weights).
+    """ZeRO's model-state bytes per rank (arXiv 1910.02054, sections 3.1 and 5: 2-byte
+    params and grads, k bytes of optimizer state per parameter; k = 12 for Adam with
+    fp32 master weights).
 
     stage 0 (plain DP): (4 + k)P; 1: 4P + kP/N; 2: 2P + (2 + k)P/N; 3: (4 + k)P/N.
     """

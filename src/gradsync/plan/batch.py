@@ -1,13 +1,16 @@
 """The batch recipe: global batch in tokens -> samples -> accumulation per worker count.
 
-The identity is ``gbs = mbs * grad_acc * dp`` (seed 001, section 5). Data
+The identity is ``gbs = mbs * grad_acc * dp`` (Megatron-LM's bookkeeping:
+Narayanan et al., arXiv 2104.04473, run m = B / (b * d) micro-batches per
+pipeline per step). Data
 parallelism is parallel and accumulation is sequential, so the recipe uses as
 many workers as it can and fills the gap with accumulation; a worker count whose
 accumulation falls below one cannot keep the global batch (it would have to shrink
 the micro-batch, grow the global batch, or leave workers idle) and is flagged.
 
-Rounding to a power of two (976 -> 1024 in the seed's example) is optional and
-takes the *nearest* power of two in log space, as the seed does.
+Rounding to a power of two is optional and takes the *nearest* power of two in
+log space: a 4M-token global batch at 4096 tokens per sample is 976 samples,
+rounded to 1024.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ bandwidth). Collective costs follow Thakur, Rabenseifner and Gropp 2005
   ``(N-1)*alpha + (N-1)/N * S * beta``;
 * ring all-reduce = reduce-scatter + all-gather: ``2(N-1)*alpha + 2(N-1)/N*S*beta``
   -- each worker moves about 2S regardless of N, which is why it replaced the
-  parameter server (seed 003, section 2);
+  parameter server (Li et al., OSDI 2014; ring all-reduce: Patarasuk & Yuan 2009);
 * tree all-reduce (pipelined double binary tree, as NCCL's trees): latency
   ``2*ceil(log2 N)*alpha``, bandwidth term as the ring's;
 * hierarchical all-reduce with ``g`` workers per node and M = N/g nodes: an

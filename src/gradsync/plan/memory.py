@@ -64,7 +64,9 @@ class BytesPerParam:
 def bytes_per_param(
     optimizer: str = "adam", mixed_precision: bool = True, fp32_grad_accum: bool = False
 ) -> BytesPerParam:
-    """The seed's k: Adam keeps m and v (8 B); mixed precision adds a 4 B fp32 master copy.
+    """Bytes per parameter (ZeRO, arXiv 1910.02054, section 3.1: 2 + 2 + 12 for
+    mixed-precision Adam): Adam keeps m and v (8 B); mixed precision adds a 4 B fp32
+    master copy.
 
     SGD with momentum keeps one fp32 buffer (4 B), plain SGD none. In fp32
     training the parameters are their own master copy, so no extra 4 B.

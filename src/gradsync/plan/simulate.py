@@ -14,7 +14,8 @@ Model (one communication lane, as the engine's single process group):
 * bucket k launches at max(its last gradient ready, bucket k-1's end) -- strictly
   in index order, as the engine launches -- and costs
   ``alpha + 2(N-1)/N * bytes * beta`` (ring all-reduce; alpha is the per-collective
-  latency, as in seed 002's widget); nothing is sent when N = 1;
+  latency of the alpha-beta model, Thakur, Rabenseifner & Gropp 2005); nothing is
+  sent when N = 1;
 * the optimizer starts when both backward and the last bucket are done;
 * with gradient accumulation over m micro-steps, the first m-1 run forward and
   backward only (``no_sync``) and communication happens on the last.
