@@ -21,7 +21,7 @@ def one_line_error(err):
     return lines[0]
 
 
-def test_memory_seed_numbers_json(capsys):
+def test_memory_worked_numbers_json(capsys):
     code, out, _ = run(capsys, "plan", "memory", "7.5e9", "--workers", "64",
                        "--device-memory", "80GB", "--json")
     assert code == 0
@@ -94,7 +94,7 @@ def test_every_command_has_help(capsys, argv):
     assert "usage: gradsync" in capsys.readouterr().out
 
 
-def test_batch_seed_table(capsys):
+def test_batch_4m_token_table(capsys):
     code, out, _ = run(capsys, "plan", "batch", "--tokens", "4M", "--seq-len", "4096",
                        "--micro-batch", "2", "--workers", "128,512,1024", "--json")
     assert code == 0
@@ -107,7 +107,7 @@ def test_batch_seed_table(capsys):
     assert "accumulation < 1" in out
 
 
-def test_comm_seed_exercise(capsys, tmp_path):
+def test_comm_ps_vs_ring_exercise(capsys, tmp_path):
     code, out, _ = run(capsys, "plan", "comm", "2e9", "--itemsize", "2", "--bandwidth",
                        "25GB/s", "--workers", "8,64,512", "--json")
     assert code == 0

@@ -3,7 +3,8 @@
 Model state is what the ZeRO paper (arXiv 1910.02054, section 3.1) partitions:
 working parameters, gradients, fp32 master weights and optimizer moments. Padding
 (to make equal shards) and communication buffers are listed separately so a
-report can be compared with the seed formulas (``sharding.model_state_bytes``):
+report can be compared with ZeRO's formulas (``sharding.model_state_bytes``, arXiv
+1910.02054 section 5):
 with bf16 parameters and AdamW, model state is 16P for DDP, 4P + 12P/N for stage 1,
 2P + 14P/N for stage 2 and 16P/N for stage 3.
 
@@ -39,7 +40,7 @@ class MemoryReport:
         return self.params + self.grads + self.master_params + self.optimizer_state
 
     def formula(self, k: int = 12) -> float:
-        """The seed formula for this stage (bf16 params/grads, k bytes of optimizer state)."""
+        """ZeRO's formula for this stage (bf16 params/grads, k bytes of optimizer state)."""
         return model_state_bytes(self.num_params, self.world, self.stage, k)
 
     def render(self) -> str:
