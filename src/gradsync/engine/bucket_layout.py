@@ -159,7 +159,8 @@ class BucketLayout:
 
 
 class BucketAccess:
-    """DataParallel's read-only view of its layout, for reductions, planners and reports."""
+    """DataParallel's view of its layout (for reductions, planners and reports) and the
+    housekeeping that works on the buckets (``zero_grad``, ``unwrap``)."""
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -200,3 +201,34 @@ class BucketAccess:
         """Candidates, the slowest rank's median per candidate and the choice (``"auto"`` only)."""
         tuner = self._layout.autotuner
         return None if tuner is None else tuner.result
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the buckets in place; as torch's ``zero_grad``, a None gradient stays None."""
+        self._reduction.prepare()
+        for b in self._layout.buckets:
+            if not b.buffer.untyped_storage().nbytes():  # released by a sharded reduction
+                continue
+            b.buffer.zero_()
+            b.zeroed = True
+            if not set_to_none:
+                for p, view in zip(b.params, b.views):
+                    if p.grad is not None:
+                        p.grad = view
+        if set_to_none:
+            for p in self._params:
+                p.grad = None
+
+    def unwrap(self) -> torch.nn.Module:
+        """Remove every hook and give gradients their own storage; returns the module."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for b in self._layout.buckets:
+            b.detach_grads()
+        return self.module
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

@@ -149,29 +149,21 @@ class DataParallel(BucketAccess, SyncedModule):
         self._reduction.take_back()
 
     def _make_hook(self, i: int):
+        where = self._layout.where
+
         def hook(param):
-            self._join()
-            bucket, slot = self._layout.where(i)
-            if self._held is not None:  # an empty rank's graph: add what arrived if finite
-                fresh, param.grad = param.grad, self._held.pop(i, None)
-                if fresh is not None and bool(torch.isfinite(fresh).all()):
-                    if param.grad is None:
-                        param.grad = fresh
-                    else:
-                        param.grad.add_(fresh)
-            elif self._empty and not bucket.is_view(slot):  # replayed zeros
-                param.grad = None
-            if param.grad is None or self._empty:  # undefined, or a rank without data:
-                if not bucket.is_view(slot):  # joins with zeros, not used
-                    self._reduction.ensure(bucket)
-                    bucket.views[slot].zero_()
-                    param.grad = bucket.views[slot]
-            else:
+            if not self._joined:
+                self._join()
+            bucket, slot = where(i)
+            grad = param.grad
+            if grad is None or self._empty or self._held is not None:
+                self._receive_unusual(i, param, bucket, slot)
+            else:  # the hot path: a gradient autograd wrote (into the view, or fresh)
                 bucket.zeroed = False
-                if not bucket.is_view(slot):
+                if grad is not bucket.views[slot]:
                     self._reduction.ensure(bucket)
                     bucket.adopt(slot)
-                self._used[i] = self._used[i] or not self._empty
+                self._used[i] = True
             if not self._syncing:
                 return
             if self._ready[i]:
@@ -185,6 +177,30 @@ class DataParallel(BucketAccess, SyncedModule):
             if bucket.pending == 0:
                 self._layout.launch_ready(self._reduction, self._window, self._used)
         return hook
+
+    def _receive_unusual(self, i, param, bucket, slot) -> None:
+        """An undefined gradient, a rank without data (replayed zeros, or its graph's
+        arrivals: added only if finite), all joining with zeros where nothing counts."""
+        if self._held is not None:
+            fresh, param.grad = param.grad, self._held.pop(i, None)
+            if fresh is not None and bool(torch.isfinite(fresh).all()):
+                if param.grad is None:
+                    param.grad = fresh
+                else:
+                    param.grad.add_(fresh)
+        elif self._empty and not bucket.is_view(slot):
+            param.grad = None
+        if param.grad is None or self._empty:
+            if not bucket.is_view(slot):
+                self._reduction.ensure(bucket)
+                bucket.views[slot].zero_()
+                param.grad = bucket.views[slot]
+        else:
+            bucket.zeroed = False
+            if not bucket.is_view(slot):
+                self._reduction.ensure(bucket)
+                bucket.adopt(slot)
+            self._used[i] = True
 
     def _hold_gradients(self) -> None:
         self._held = {i: p.grad for i, p in enumerate(self._params) if p.grad is not None}
@@ -255,38 +271,6 @@ class DataParallel(BucketAccess, SyncedModule):
         self._reduction.reset()
         for b in self._layout.buckets:
             b.reset()
-
-    # ------------------------------------------------------------------ housekeeping
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the buckets in place; as torch's ``zero_grad``, a None gradient stays None."""
-        self._reduction.prepare()
-        for b in self._layout.buckets:
-            if not b.buffer.untyped_storage().nbytes():  # released by a sharded reduction
-                continue
-            b.buffer.zero_()
-            b.zeroed = True
-            if not set_to_none:
-                for p, view in zip(b.params, b.views):
-                    if p.grad is not None:
-                        p.grad = view
-        if set_to_none:
-            for p in self._params:
-                p.grad = None
-
-    def unwrap(self) -> nn.Module:
-        """Remove every hook and give gradients their own storage; returns the module."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        for b in self._layout.buckets:
-            b.detach_grads()
-        return self.module
-
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, buckets={len(self._layout.buckets)}, "
