@@ -162,10 +162,11 @@ class LocalUpdateStrategy(_PerRankState, Strategy):
         self.diloco = diloco
         self._sent = 0
 
-    def after_step(self, num_items: int, last: bool = False) -> None:
+    def after_step(self, num_items: int) -> None:
         self.diloco.step(num_items=self.model.window_items)
-        if last:
-            self.diloco.sync_now()  # the run ends with one model on every worker
+
+    def finish(self) -> None:
+        self.diloco.sync_now()  # the run ends with one model on every worker
 
     def step_report(self) -> dict:
         stats = self.diloco.stats()

@@ -92,13 +92,16 @@ class Strategy:
         limit = math.inf if not max_norm else float(max_norm)
         return _clip(self._clip_target(), limit)
 
-    def after_step(self, num_items: int, last: bool = False) -> None:
+    def after_step(self, num_items: int) -> None:
         """Called after every optimizer step (not after a skipped one), on every rank.
 
-        ``num_items`` is the global item count of the step; ``last``: the run's final
-        step. Exact synchronisation has nothing to do here; a local-update method
-        does its outer step here (and a final sync on the last step).
+        ``num_items`` is the global item count of the step. Exact synchronisation
+        has nothing to do here; a local-update method does its outer step here.
         """
+
+    def finish(self) -> None:
+        """Called once after the run's last step, before its final checkpoint, on every
+        rank (a local-update method syncs the replicas one last time)."""
 
     def step_report(self) -> dict:
         """Figures of the step just taken for its metrics line, beyond what the loop

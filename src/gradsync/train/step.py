@@ -75,9 +75,11 @@ def run_step(sess: Session, step: int) -> StepRecord:
         problem = _nonfinite(stats, step)
         if problem is None:
             strategy.optimizer.step()
-            strategy.after_step(int(total_items), last=step == cfg.steps)
+            strategy.after_step(int(total_items))
         elif cfg.on_nonfinite == "skip-step":
             sess.skipped.append(step)
+        if step == cfg.steps:
+            strategy.finish()
         sess.sched.step()  # a skipped step still counts: the schedule follows step numbers
         if step == cfg.steps:  # the summary's report: the step at its fullest,
             sess.memory = strategy.memory_report()  # gradients and optimizer state both held
