@@ -13,8 +13,9 @@ same ``num_items`` window count, same ``no_sync``, same DDP-compatibility rules
 (``reduction.BucketReduction``): a ready bucket is *reduced to shards*
 (``shard_comm``) and the end of backward divides this rank's slice by the global
 item count. After a synchronised backward this rank holds exactly its slice of
-the global-mean gradient (``grad_shards()``; ``param.grad`` is None, and
-``step()`` must come before the next forward). Stage 1 keeps it inside the
+the global-mean gradient (``grad_shards()``; ``param.grad`` is None); a further
+synchronised window before ``step()`` adds its own mean to it, as gradients
+accumulate under torch DDP. Stage 1 keeps it inside the
 (persistent) bucket buffer. Stage 2 allocates a bucket when its first gradient
 arrives and, once the bucket's reduction has completed, copies this rank's slice
 out and frees the bucket (waiting for the oldest reduction when more than
