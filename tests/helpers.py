@@ -186,3 +186,20 @@ class Tied(nn.Module):
 
     def forward(self, x):
         return self.out(torch.tanh(self.dec(torch.tanh(self.mid(self.enc(x))))))
+
+
+class ShardOptimizer:
+    """An FSDP model's optimizer as ``sharded_train`` expects it: clipping goes through
+    the model's gradient shards."""
+
+    def __init__(self, model, opt):
+        self.model, self.opt, self.group = model, opt, None
+
+    def grad_shards(self):
+        return self.model.grad_shards()
+
+    def step(self):
+        self.opt.step()
+
+    def zero_grad(self):
+        self.opt.zero_grad()

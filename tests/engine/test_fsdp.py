@@ -12,6 +12,7 @@ from tests.helpers import (
     D_OUT,
     SHARDED_STEPS,
     SHARDED_TOL,
+    ShardOptimizer,
     dataset,
     job_results,
     max_gap,
@@ -58,19 +59,7 @@ def _fsdp(factory, wrap, kind, schedule, clip=None, collectives="auto", prefetch
     cls, kw = optimizer_spec(kind)
     opt = cls(model.parameters(), **kw)
 
-    class _Opt:  # clip goes through the model's shards
-        group = model.group
-
-        def grad_shards(self):
-            return model.grad_shards()
-
-        def step(self):
-            opt.step()
-
-        def zero_grad(self):
-            opt.zero_grad()
-
-    sharded_train(model, _Opt(), schedule, x, y, gs.rank(), clip=clip)
+    sharded_train(model, ShardOptimizer(model, opt), schedule, x, y, gs.rank(), clip=clip)
     return list(model.full_state_dict().items())
 
 

@@ -22,6 +22,7 @@ from gradsync.engine.zero_checkpoint import load_sharded, save_sharded
 from tests.engine.test_fsdp import Block, Net
 from tests.helpers import (
     SHARDED_TOL,
+    ShardOptimizer,
     dataset,
     dp_train,
     job_results,
@@ -68,19 +69,7 @@ def _hsdp():
     cls, kw = optimizer_spec("adamw")
     opt = cls(model.parameters(), **kw)
 
-    class _Opt:
-        group = None
-
-        def grad_shards(self):
-            return model.grad_shards()
-
-        def step(self):
-            opt.step()
-
-        def zero_grad(self):
-            opt.zero_grad()
-
-    sharded_train(model, _Opt(), SAME, x, y, gs.rank())
+    sharded_train(model, ShardOptimizer(model, opt), SAME, x, y, gs.rank())
     state = model.full_state_dict()
     # a checkpoint written by host 0 alone loads back on every host
     with tempfile.TemporaryDirectory() as d:

@@ -44,6 +44,7 @@ from . import comm
 from .compress import Compressor, parse_compression
 from .compress.base import ring_bytes
 from .diloco_fragments import Fragment, split_parameters
+from .item_window import as_count
 from .replicas import broadcast_module_state, broadcast_tensors, verify_same_structure
 
 
@@ -58,19 +59,8 @@ def local_sgd_outer_optimizer(params) -> torch.optim.Optimizer:
 
 
 def as_items(num_items) -> float:
-    if num_items is None:
-        return 1.0
-    if isinstance(num_items, torch.Tensor):
-        if num_items.numel() != 1:
-            raise UsageError(f"num_items must be a scalar, got shape {tuple(num_items.shape)}")
-        num_items = num_items.item()
-    try:
-        n = float(num_items)
-    except (TypeError, ValueError):
-        raise UsageError(f"num_items must be a number, got {num_items!r}") from None
-    if not math.isfinite(n) or n < 0 or n != int(n):
-        raise UsageError(f"num_items counts items: a whole number >= 0, got {num_items!r}")
-    return n
+    """Items of one inner step: ``None`` counts one (every worker takes the same steps)."""
+    return 1.0 if num_items is None else as_count(num_items)
 
 
 @dataclass(frozen=True)
