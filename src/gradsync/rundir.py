@@ -213,3 +213,25 @@ class Summary:
         """Tolerant: unknown keys are ignored, missing ones become None."""
         names = {f.name for f in fields(cls)}
         return cls(**{n: d.get(n) for n in names})
+
+
+def sync_description(config: dict) -> str:
+    """How a run synchronised, in words, from its config (train's table and the report)."""
+    method = config.get("sync", "exact")
+    compress = config.get("compress", "none")
+    if method == "exact":
+        text = "exact"
+        if config.get("collectives", "native") != "native":
+            text += f", {config['collectives']} collectives"
+        if compress != "none":
+            text = f"{compress}-compressed gradients (not exact)"
+        return text
+    text = (f"{'streaming ' if method == 'streaming-diloco' else ''}DiLoCo, "
+            f"H={config.get('sync_every')}")
+    if method == "streaming-diloco":
+        text += (f", F={config.get('fragments')}, tau={config.get('sync_delay')}, "
+                 f"alpha={config.get('sync_alpha')}")
+    text += f", outer SGD lr {config.get('outer_lr')} momentum {config.get('outer_momentum')}"
+    if compress != "none":
+        text += f", {compress} pseudo-gradients"
+    return text + " (not exact)"

@@ -17,7 +17,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from ..rundir import REPORT
+from ..rundir import REPORT, sync_description
 from .figures import make_figures
 from .run_data import RunData, load_run
 from .timeline import StepTimeline, measured_step, predicted_step
@@ -92,6 +92,7 @@ def _key_numbers(run: RunData) -> list[tuple[str, str]]:
             ("strategy / precision / optimizer",
              f"{c.get('strategy', 'ddp')} / {c.get('precision', 'fp32')} / "
              f"{s.get('optimizer') or c.get('optimizer', '?')}"),
+            ("synchronisation", sync_description(c)),
             ("seed", str(c.get("seed", "?"))),
             ("workers", workers),
             ("workers x accumulation x micro-batch",

@@ -6,7 +6,7 @@ import dataclasses
 import os
 import time
 
-from ..rundir import METRICS, SUMMARY, Summary, read_metrics, write_json
+from ..rundir import METRICS, SUMMARY, Summary, read_metrics, sync_description, write_json
 from .instrument import drift_line, write_report_safely
 from .session import Session
 
@@ -74,6 +74,7 @@ def finish(sess: Session) -> dict | None:
         ("workers x accumulation", f"{s.world_size} x {s.accumulation}"
          + (f" (workers over the run: {sizes})" if len(s.world_sizes) > 1 else "")),
         ("strategy / precision / optimizer", f"{s.strategy} / {s.precision} / {s.optimizer}"),
+        ("synchronisation", sync_description(cfg.to_dict())),
         ("seed", str(s.seed)),
         ("scaling efficiency vs 1 worker",
          f"{s.scaling_efficiency:.0%}" if s.scaling_efficiency
