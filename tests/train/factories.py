@@ -84,3 +84,22 @@ def regression32() -> torch.utils.data.TensorDataset:
     """A plain Dataset of float32 (input, target): the loss defaults to MSE."""
     x, y = tensors(dtype=torch.float32)
     return torch.utils.data.TensorDataset(x, y)
+
+
+class _Slow(nn.Module):
+    """tiny64 whose forward takes ``$GRADSYNC_TEST_FORWARD_S`` seconds (default 0.03): a
+    run long enough for a second torchrun agent to join it in the middle."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = tiny64()
+
+    def forward(self, x):
+        import time
+
+        time.sleep(float(os.environ.get("GRADSYNC_TEST_FORWARD_S", "0.03")))
+        return self.net(x)
+
+
+def slow64() -> nn.Module:
+    return _Slow()

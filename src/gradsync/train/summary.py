@@ -81,9 +81,7 @@ def finish(sess: Session) -> dict | None:
          else "n/a (1 worker)" if s.world_size == 1 else "(run with --baseline)"),
         ("drift check", drift_line(sess.inst.drift) if sess.strategy.replicated
          else "n/a (parameters sharded)"),
-        ("gradient buckets", "per wrapped unit (zero3)" if not s.buckets else
-         f"{s.buckets} (cap {s.bucket_cap_mb:.2f} MiB"
-         + (", auto-tuned)" if tuned and tuned.chosen_mb else ")")),
+        ("gradient buckets", _buckets_line(s, tuned)),
         ("wall time", f"{s.total_wall_s:.1f} s"),
         ("checkpoint", sess.ckpt_path),
     ]
@@ -98,3 +96,10 @@ def finish(sess: Session) -> dict | None:
     if not cfg.no_report:
         write_report_safely(cfg.out)
     return s.to_json()
+
+
+def _buckets_line(s, tuned) -> str:
+    if s.buckets:
+        return (f"{s.buckets} (cap {s.bucket_cap_mb:.2f} MiB"
+                + (", auto-tuned)" if tuned and tuned.chosen_mb else ")"))
+    return "per wrapped unit (zero3)" if s.strategy == "zero3" else "none (not bucketed)"
