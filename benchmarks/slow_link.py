@@ -260,15 +260,20 @@ def plot(results: dict, path: Path) -> None:
     panels = [(w, r) for w, by in results.items() for r in by]
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
-    for ax, (workload, rate) in zip(axes[0], panels):
+    cols = min(2, len(panels))
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.4 * cols, 4.6 * nrows), squeeze=False)
+    tab = plt.get_cmap("tab20").colors
+    colors = dict(zip(METHODS, tab[::2] + tab[1::2]))  # one colour per method, every panel
+    for ax, (workload, rate) in zip(axes.flat, panels):
         runs = results[workload][rate]
         for method, run in runs.items():
             if method == "no-sync" or not run["curve"]:
                 continue
             _, ts, losses = zip(*run["curve"])
             style = "--" if method in LOCAL else "-"
-            ax.plot(ts, losses, style, marker=".", ms=3, lw=1.2, label=method)
+            ax.plot(ts, losses, style, marker=".", ms=3, lw=1.2, label=method,
+                    color=colors.get(method))
         if "torch-ddp" in runs and runs["torch-ddp"]["final_eval"] is not None:
             ax.axhline(runs["torch-ddp"]["final_eval"], color="k", lw=0.6, ls=":")
         ax.set_xscale("log")
@@ -277,8 +282,10 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xlabel("training time (s, log)")
         ax.set_ylabel("held-out loss")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7, title="dashed: local updates\n(replicas differ between syncs)",
-                      title_fontsize=6)
+        ax.legend(fontsize=7, title="dashed: local updates\n(replicas differ between syncs)",
+                  title_fontsize=6)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
