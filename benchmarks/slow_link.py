@@ -127,15 +127,6 @@ def parse_args(argv=None):
 
 
 # --------------------------------------------------------------------------- reading runs
-def read_metrics(path: Path) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-    return rows
-
-
 def summarise(rows: list[dict]) -> dict:
     """Per-run figures from metrics.jsonl: the curve and the per-step medians."""
     train_t, curve = 0.0, []
@@ -200,28 +191,38 @@ def _fmt(v, spec, none="-"):
     return none if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
-def table_markdown(results: dict, quick_h: dict) -> str:
-    out = []
+COLUMNS = (  # header, row key, format, what None shows as
+    ("method", "method", "s", "-"),
+    ("time to target (s)", "time_to_target_s", ".1f", "not reached"),
+    ("steps", "steps_to_target", "d", "-"),
+    ("x torch DDP", "speedup_vs_ddp", ".2f", "-"),
+    ("fraction of bound", "fraction_of_bound", ".2f", "-"),
+    ("s/step", "median_step_s", ".3f", "-"),
+    ("per step vs exact", "per_step_vs_exact", ".2f", "-"),
+    ("MB sent/rank/step", "sent_mb_per_step", ".3f", "-"),
+    ("final loss", "final_eval", ".4f", "-"),
+    ("vs target", "final_vs_target", "+.2%", "-"),
+)
+
+
+def judged_tables(results: dict, quick_h: dict):
+    """(title, rows of formatted cells) for every (workload, rate) that has a target."""
     for workload, by_rate in results.items():
         for rate in by_rate:
             rows = judge(results, workload, rate, quick_h)
-            if not rows:
-                continue
-            out.append(f"\n**{workload}, {rate}** (target: held-out loss {rows[0]['target']:.4f}, "
-                       f"torch DDP's at the end; bound {_fmt(rows[0]['bound_s'], '.1f')} s)\n")
-            out.append("| method | time to target (s) | steps | x torch DDP | fraction of bound "
-                       "| s/step | per step vs exact | MB sent/rank/step | final loss "
-                       "| vs target |")
-            out.append("|---|---|---|---|---|---|---|---|---|---|")
-            for r in rows:
-                pct = 100 * r["final_vs_target"] if r["final_vs_target"] is not None else None
-                out.append(
-                    f"| {r['method']} | {_fmt(r['time_to_target_s'], '.1f', 'not reached')} "
-                    f"| {_fmt(r['steps_to_target'], 'd')} | {_fmt(r['speedup_vs_ddp'], '.2f')} "
-                    f"| {_fmt(r['fraction_of_bound'], '.2f')} | {r['median_step_s']:.3f} "
-                    f"| {_fmt(r['per_step_vs_exact'], '.2f')} | {r['sent_mb_per_step']:.3f} "
-                    f"| {_fmt(r['final_eval'], '.4f')} "
-                    f"| {_fmt(pct, '+.2f')}% |")
+            if rows:
+                title = (f"{workload}, {rate} (target: held-out loss {rows[0]['target']:.4f}, "
+                         f"torch DDP's at the end; bound {_fmt(rows[0]['bound_s'], '.1f')} s)")
+                yield title, [[_fmt(r[key], spec, none) for _, key, spec, none in COLUMNS]
+                              for r in rows]
+
+
+def table_markdown(results: dict, quick_h: dict) -> str:
+    out = []
+    for title, rows in judged_tables(results, quick_h):
+        out += [f"\n**{title}**\n", "| " + " | ".join(c[0] for c in COLUMNS) + " |",
+                "|" + "---|" * len(COLUMNS)]
+        out += ["| " + " | ".join(cells) + " |" for cells in rows]
     return "\n".join(out) + "\n"
 
 
@@ -229,25 +230,14 @@ def print_tables(results: dict, quick_h: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=150)
-    for workload, by_rate in results.items():
-        for rate in by_rate:
-            rows = judge(results, workload, rate, quick_h)
-            if not rows:
-                continue
-            t = Table(title=f"{workload} over {rate}: target held-out loss "
-                            f"{rows[0]['target']:.4f} (torch DDP's final)")
-            for col in ("method", "to target (s)", "x DDP", "of bound", "s/step",
-                        "vs exact/step", "MB/rank/step", "final", "vs target"):
-                t.add_column(col, justify="left" if col == "method" else "right")
-            for r in rows:
-                t.add_row(r["method"], _fmt(r["time_to_target_s"], ".1f", "not reached"),
-                          _fmt(r["speedup_vs_ddp"], ".2f"), _fmt(r["fraction_of_bound"], ".2f"),
-                          f"{r['median_step_s']:.3f}", _fmt(r["per_step_vs_exact"], ".2f"),
-                          f"{r['sent_mb_per_step']:.3f}", _fmt(r["final_eval"], ".4f"),
-                          _fmt(100 * r["final_vs_target"] if r["final_vs_target"] is not None
-                               else None, "+.2f") + "%")
-            console.print(t)
+    console = Console(width=160)
+    for title, rows in judged_tables(results, quick_h):
+        t = Table(title=title)
+        for header, *_ in COLUMNS:
+            t.add_column(header, justify="left" if header == "method" else "right")
+        for cells in rows:
+            t.add_row(*cells)
+        console.print(t)
 
 
 def plot(results: dict, path: Path) -> None:
@@ -320,7 +310,9 @@ def run_one(lab, workload: str, method: str, steps: int, eval_every: int, out: P
         tail = (failed[0].stderr or failed[0].stdout or "")[-1500:]
         raise RuntimeError(f"{workload}/{method} over {lab.rate}: host {failed[0].host} "
                            f"exited {failed[0].returncode}:\n{tail}")
-    summary = summarise(read_metrics(run_dir / "metrics.jsonl"))
+    from gradsync.rundir import METRICS, read_metrics
+
+    summary = summarise(read_metrics(str(run_dir / METRICS))[0])
     summary["wall_s"] = wall
     return summary
 

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradsync.engine.memory import MemoryReport
+from gradsync.engine.compress.base import ring_bytes
+from gradsync.engine.memory import MemoryReport, optimizer_bytes
 from gradsync.engine.strategy import STRATEGIES, Strategy, register_strategy
 from gradsync.models import DeepMLP
 
@@ -82,24 +83,22 @@ class TorchDDPModel:
 
 
 class TorchDDPStrategy(Strategy):
-    """``torch-ddp``: the anchor. Bytes per step counted as a ring all-reduce's."""
-
-    def clip_grad_norm_(self, max_norm):
-        limit = float(max_norm) if max_norm else float("inf")
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), limit)
+    """``torch-ddp``: the anchor. Bytes per step counted as a ring all-reduce's; the
+    gradient norm and clipping are the base class's (torch's own function on the
+    parameters, whose gradients DDP has already averaged)."""
 
     def step_report(self) -> dict:
-        n = self.model.world_size
         nbytes = sum(p.numel() * p.element_size() for p in self.module.parameters()
                      if p.requires_grad)
-        return {"sent_bytes": 2 * (n - 1) * nbytes // n}
+        return {"sent_bytes": ring_bytes(nbytes, self.model.world_size)}
 
     def memory_report(self) -> MemoryReport:
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
         params = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
-                    for t in s.values() if isinstance(t, torch.Tensor))
-        num = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
-        return MemoryReport(0, self.model.world_size, num, params, params, 0, state, 0, 0)
+        grads = sum(p.numel() * p.element_size() for p in trainable)
+        state = sum(optimizer_bytes(self.optimizer, p, p.numel())[0] for p in trainable)
+        num = sum(p.numel() for p in trainable)
+        return MemoryReport(0, self.model.world_size, num, params, grads, 0, state, 0, 0)
 
     @property
     def bucket_cap_mb(self) -> float:

@@ -35,6 +35,7 @@ from torch import nn
 
 from ..errors import UsageError
 from .clip import clip_grad_norm_ as _clip
+from .compress.base import ring_bytes
 from .data_parallel import DataParallel
 from .fsdp import FullyShardedDataParallel
 from .memory import MemoryReport, report_data_parallel
@@ -167,7 +168,7 @@ class DataParallelStrategy(Strategy):
         """Bytes on the wire per synchronised step: the bandwidth-optimal 2 (N-1)/N of every
         bucket (a ring all-reduce's, or a two-level one's across the slowest link)."""
         n = self.model.world_size
-        return {"sent_bytes": sum(2 * (n - 1) * b.spec.nbytes // n for b in self.model.buckets)}
+        return {"sent_bytes": sum(ring_bytes(b.spec.nbytes, n) for b in self.model.buckets)}
 
     def memory_report(self) -> MemoryReport:
         if isinstance(self.optimizer, MixedPrecisionOptimizer):
