@@ -7,6 +7,7 @@ layout and a digest of the result so the test can compare ranks across hosts.
 
 import hashlib
 import os
+import sys
 
 import torch
 
@@ -32,8 +33,12 @@ def main() -> None:
     ring.all_reduce_(flat)
     assert torch.equal(flat, expected), "ring all-reduce is not the exact sum"
     digest = hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16]
-    print(f"rank={info.rank} host={top.host} local={top.local_rank} hosts={top.num_hosts} "
-          f"group_rank={os.environ['GROUP_RANK']} digest={digest}", flush=True)
+    line = (f"rank={info.rank} host={top.host} local={top.local_rank} hosts={top.num_hosts} "
+            f"group_rank={os.environ['GROUP_RANK']} digest={digest}\n")
+    # One write(2) per line: two workers share the agent's stdout pipe, and print()
+    # under PYTHONUNBUFFERED=1 writes the text and its newline separately, so lines
+    # from the two could interleave. A single write below PIPE_BUF is atomic.
+    os.write(sys.stdout.fileno(), line.encode())
     top.close()
     gs.shutdown()
 
