@@ -24,7 +24,7 @@ collective runs (parameters must still be gathered, they are sharded) and
 unsharded gradients accumulate locally. Gathers and gradient reductions run on
 two process groups, so each has one deterministic order on every rank (gathers in
 forward then backward unit order, reductions strictly in reverse registration
-order, root last) whatever order autograd happens to fire hooks in.
+order, root last: ``fsdp_reduce.py``) whatever order autograd happens to fire hooks in.
 
 A parameter shared by two units (tied weights) belongs to the root unit, which is
 gathered for the whole forward. Every rank must run the same units in each forward
@@ -38,12 +38,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import UsageError
-from . import comm
 from .algorithm_buckets import host_topology
 from .algorithms import HostTopology
 from .comm_thread import private_group
 from .fsdp_gather import UnitGatherer
-from .fsdp_units import FlatUnit, build_units, first_names, slot_names
+from .fsdp_reduce import UnitReducer
+from .fsdp_units import build_units, first_names, slot_names
 from .precision import MixedPrecision, cast_inputs_hook
 from .replicas import broadcast_module_state, comm_device, verify_same_structure
 from .shard_comm import ShardComm
@@ -68,8 +68,6 @@ class FullyShardedDataParallel(SyncedModule):
             gradient shard is all-reduced across hosts (default group only).
     """
 
-    MAX_INFLIGHT = 4  # gradient reductions in flight before waiting for the oldest
-
     def __init__(self, module: nn.Module, wrap=None, mixed_precision: MixedPrecision | None = None,
                  prefetch: int = 1, group=None, collectives: str = "auto",
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
@@ -88,9 +86,8 @@ class FullyShardedDataParallel(SyncedModule):
         self.world, self.rank = dist.get_world_size(shard_group), dist.get_rank(shard_group)
         self.writes_shards = self.topology is None or self.topology.host == 0  # checkpoints
         self.comm = ShardComm.for_group(shard_group, collectives)
-        self._grad_group = private_group(shard_group)
-        self._replica_group = self.topology.inter_group if self.topology else None
-        self._sum_group = private_group(None) if self.topology else self._grad_group
+        grad_group = private_group(shard_group)
+        self._sum_group = private_group(None) if self.topology else grad_group
         self._dev = comm_device(group)
         verify_same_structure(module, group, what="FullyShardedDataParallel")
         broadcast_module_state(module, group)
@@ -113,13 +110,14 @@ class FullyShardedDataParallel(SyncedModule):
         rest = [u for u in self._units if u.module is not module]
         self._root = root[0] if root else None
         self._gatherer = UnitGatherer(self._units, self.comm, shard_group, self.rank, prefetch)
-        self._reduce_order = rest[::-1] + root
+        self._reducer = UnitReducer(rest[::-1] + root, self.comm, self.rank, self.world,
+                                    grad_group, self.topology.inter_group if self.topology
+                                    else None,
+                                    mixed_precision.reduce_dtype if mixed_precision else None)
         # kept gathered from forward into backward (FSDP2 keeps the root; DeepSpeed's
         # reuse distance keeps what is needed again at once): the root, and the last
         # unit, whose backward comes first -- a free and a gather saved each
         self._keep_for_backward = set(map(id, root + rest[-1:]))
-        self._next_reduce = 0
-        self._inflight: list[FlatUnit] = []
 
     # ------------------------------------------------------------------ unit hooks
     def _make_pre(self, u):
@@ -160,43 +158,8 @@ class FullyShardedDataParallel(SyncedModule):
             else:
                 u.used = [a or b for a, b in zip(u.used, u.joined)]
             self._gatherer.free(u)
-            self._accept(u, g)
+            self._reducer.accept(u, g, self._syncing)
         return hook
-
-    def _accept(self, u, g):
-        u.grad_seen = True  # contributed to this pass (a real gradient or zeros)
-        rd = self.mixed_precision.reduce_dtype if self.mixed_precision else g.dtype
-        g = g.to(rd)
-        if u.acc is not None:
-            g = g + u.acc
-        if not self._syncing:
-            u.acc = g
-            return
-        u.acc, u.ready = None, g
-        self._launch_reduces()
-
-    def _launch_reduces(self):
-        order = self._reduce_order
-        while self._next_reduce < len(order) and order[self._next_reduce].ready is not None:
-            u = order[self._next_reduce]
-            pending, part = self.comm.reduce(u.ready, self.rank, self.world, self._grad_group,
-                                             tag=f"grad{u.index}")
-            u.reduced, u.ready = (pending, part), None
-            self._next_reduce += 1
-            self._inflight.append(u)
-            while self._inflight and (len(self._inflight) > self.MAX_INFLIGHT
-                                      or self._inflight[0].reduced[0].done()):
-                self._finalize(self._inflight.pop(0))
-
-    def _finalize(self, u: FlatUnit) -> None:
-        """Keep ``u``'s reduced slice (divided at the end) and drop the unsharded gradient,
-        so few unsharded gradients are alive at once (ZeRO-3's gradient memory)."""
-        pending, part = u.reduced
-        pending.wait()
-        u.part, u.reduced = part.clone(), None
-        if self._replica_group is not None:  # HSDP: the same shard on every host, summed
-            u.replica = comm.all_reduce(u.part, self._replica_group, async_op=True,
-                                        tag=f"replica{u.index}")
 
     # ------------------------------------------------------------------ core hooks
     def _run_forward(self, args, kwargs):
@@ -242,22 +205,15 @@ class FullyShardedDataParallel(SyncedModule):
                 u.grad, u.aside = u.aside[0], None
 
     def _sync_open(self) -> None:
-        self._next_reduce, self._inflight = 0, []
-        for u in self._units:
-            u.grad_seen = False
+        self._reducer.start()
         self._launch_header(self._sum_group)
 
     def _sync_collect(self) -> Collected:
-        for u in self._reduce_order:  # not reached in this backward: a zero contribution
-            if not u.grad_seen:
-                self._gatherer.free(u)
-                self._accept(u, torch.zeros(u.layout.padded, dtype=u.full.dtype))
-        while self._inflight:
-            self._finalize(self._inflight.pop(0))
-        for u in self._units:
-            if u.replica is not None:
-                u.replica.wait()
-                u.replica = None
+        for u in self._reducer.unseen():  # not reached in this backward: a zero contribution
+            self._gatherer.free(u)
+            self._reducer.accept(u, torch.zeros(u.layout.padded, dtype=u.full.dtype),
+                                 self._syncing)
+        self._reducer.finish()
         missing = [i for i, (u, k) in enumerate(self._slots) if not u.joined[k]]
         used = (self._sum_used([u.used[k] for u, k in self._slots], self._sum_group)
                 if self.find_unused_parameters else None)
@@ -299,7 +255,8 @@ class FullyShardedDataParallel(SyncedModule):
             self._gatherer.gather(u, False)
             self._gatherer.free(u)
             u.joined = [True] * len(u.joined)
-            self._accept(u, torch.zeros_like(u.full.data, dtype=u.full.dtype))
+            self._reducer.accept(u, torch.zeros_like(u.full.data, dtype=u.full.dtype),
+                                 self._syncing)
 
     # ------------------------------------------------------------------ state
     def grad_shards(self):
