@@ -1,6 +1,6 @@
 """Time to a target loss over a slow link: every method against torch DDP and the bound.
 
-    sudo .venv/bin/python benchmarks/slow_link.py                 # everything (~50 min here)
+    sudo .venv/bin/python benchmarks/slow_link.py                 # everything (~65 min here)
     .venv/bin/python benchmarks/slow_link.py --quick              # a few steps, to see it work
     .venv/bin/python benchmarks/slow_link.py --workloads mlp --rates 100mbit --methods exact,int8
     .venv/bin/python benchmarks/slow_link.py --render-only        # tables and PNG from results.json
@@ -22,6 +22,11 @@ learning-rate schedule and number of steps; only how gradients travel differs:
 * ``diloco-25-4x``: DiLoCo H = 25 allowed 4x the samples (4x the steps), outside the
   equal-budget comparison and labelled so: when DiLoCo cannot reach the target on
   the common budget, how soon does it if it may read more?
+* ``diloco-25-const``, ``torch-ddp-const``: DiLoCo H = 25 and torch DDP with a
+  constant learning rate after warm-up instead of the cosine decay (same samples):
+  a schedule that suits local updates, and the anchor under the same schedule, so a
+  speed-up bought by the schedule is not credited to the method. The target stays
+  the cosine-scheduled DDP's final loss;
 * ``no-sync``: the bound -- the same run with no communication at all (DiLoCo
   whose interval is longer than the run). Its step time is compute alone.
 
@@ -82,6 +87,8 @@ METHODS: dict[str, list[str]] = {
                   "--sync-delay", "1", "--sync-alpha", "0.5"],
     "no-sync": ["--sync", "diloco", "--sync-every", "1000000000"],
     "diloco-25-4x": ["--sync", "diloco", "--sync-every", "25"],
+    "diloco-25-const": ["--sync", "diloco", "--sync-every", "25", "--schedule", "constant"],
+    "torch-ddp-const": ["--strategy", "torch-ddp", "--schedule", "constant"],
 }
 """method -> its `gradsync train` flags (on top of the workload's)."""
 
@@ -106,7 +113,7 @@ WORKLOADS: dict[str, dict] = {
 
 TOLERANCE = 1e-3
 LOCAL = {"diloco-25": 25, "diloco-100": 100, "streaming": None, "no-sync": None,
-         "diloco-25-4x": 25}
+         "diloco-25-4x": 25, "diloco-25-const": 25}
 """Local-update methods -> the interval at which their replicas are identical (None: only
 at the end of the run)."""
 
@@ -323,7 +330,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    quick_h = ({"diloco-25": 2, "diloco-100": 4, "streaming": 4, "diloco-25-4x": 2}
+    quick_h = ({"diloco-25": 2, "diloco-100": 4, "streaming": 4, "diloco-25-4x": 2,
+                "diloco-25-const": 2}
                if args.quick else {})
     if args.render_only:
         render(out, results, quick_h)

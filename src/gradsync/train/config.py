@@ -23,6 +23,7 @@ from .builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
 
 OPTIMIZER_CHOICES = ("auto", *OPTIMIZERS)
 RESUME_CHOICES = ("auto", "must", "never")
+SCHEDULES = ("cosine", "constant")
 NONFINITE_CHOICES = ("stop", "skip-step")
 
 
@@ -50,8 +51,9 @@ class TrainConfig:
     steps: int = field(default=300, metadata={"help": "optimizer steps to run"})
     global_batch: int = field(default=16, metadata={"help": "samples per optimizer step over all workers = micro-batch x accumulation x workers; keep it when the number of workers changes, and the run continues exactly"})
     micro_batch: int = field(default=8, metadata={"help": "samples per forward/backward on one worker (may change on resume)"})
-    lr: float = field(default=3e-3, metadata={"help": "peak learning rate (linear warm-up, cosine decay to 10%%)"})
+    lr: float = field(default=3e-3, metadata={"help": "peak learning rate (linear warm-up, then --schedule)"})
     warmup: int = field(default=20, metadata={"help": "warm-up steps"})
+    schedule: str = field(default="cosine", metadata={"help": "after warm-up: cosine decay to 10%% of --lr at the last step, or constant --lr to the end", "choices": SCHEDULES})
     optimizer: str = field(default="auto", metadata={"help": "adamw, sgd (momentum 0.9), or auto: adamw for gpt and your own models, sgd for mlp", "choices": OPTIMIZER_CHOICES})
     bucket_cap_mb: float | str = field(default=25.0, metadata={"help": "gradient bucket cap in MiB (DDP's default is 25), or 'auto' to measure candidates during the first steps and keep the fastest", "type": _cap_arg})
     seed: int = field(default=0, metadata={"help": "seed for model initialisation and data order"})

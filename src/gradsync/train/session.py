@@ -42,9 +42,11 @@ from .task import Task, build_task, estimate_checkpoint_bytes
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to 10% of the peak."""
+    """Linear warm-up, then cosine decay to 10% of the peak (or the peak, constant)."""
     if step < cfg.warmup:
         return (step + 1) / cfg.warmup
+    if cfg.schedule == "constant":
+        return 1.0
     span = max(1, cfg.steps - cfg.warmup)
     progress = min(1.0, (step - cfg.warmup) / span)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
