@@ -154,7 +154,7 @@ class Trainer:
         """``.grad`` of every parameter (None kept as None); NA for sharded strategies."""
         if self.base not in ("ddp", "gs", "local"):
             return NA
-        return {n: None if p.grad is None else p.grad.detach().clone()
+        return {n: None if p.grad is None else p.grad.detach().to_dense().clone()
                 for n, p in self.module.named_parameters()}
 
 

@@ -429,6 +429,43 @@ def used_twice(ctx, group):
     return rec
 
 
+class SparseBag(nn.Module):
+    """test_sparse_gradients' SparseGradientModule: an EmbeddingBag with sparse gradients,
+    here followed by a dense layer so sparse and dense gradients share a backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(17)
+        self.embedding = nn.EmbeddingBag(10, 6, sparse=True)
+        self.head = nn.Linear(6, D_OUT)
+        self.double()
+
+    def forward(self, ids):
+        return self.head(torch.softmax(self.embedding(ids), dim=1))
+
+
+def sparse_gradients(ctx, group):
+    """test_sparse_gradients: DDP all-reduces the sparse gradient; gradsync sums it dense
+    (``.grad`` comes back dense, with the same values: compared densified). SGD with
+    momentum, which takes either; three steps, under ``no_sync`` once."""
+    t = Trainer(ctx, SparseBag(), group, sgd())
+    g = torch.Generator().manual_seed(18)
+    ids = torch.randint(0, 10, (24, 3), generator=g)
+    y = torch.randn(24, D_OUT, generator=g, dtype=torch.float64)
+    rec = {}
+    for step in range(3):
+        xb, yb = rows(ids, y, ctx, step)
+        if step == 1:  # two equal halves of this rank's rows (of the whole batch: local)
+            h = len(xb) // 2
+            with t.no_sync():
+                t.backward(mse(t(xb[:h]), yb[:h]), h, micro_steps=2)
+            t.backward(mse(t(xb[h:]), yb[h:]), h, micro_steps=2)
+        else:
+            t.backward(mse(t(xb), yb), len(xb))
+        t.step_and_record(rec, step)
+    return rec
+
+
 class TwoLin(nn.Module):
     """UnusedParamTwoLinLayerNet: returns (a(x), b(x)); ``c`` is never used."""
 
@@ -1022,6 +1059,12 @@ def test_ported_forward_and_backward_module_hooks():
     _check("main", "module_hooks", ["gs", "zero2", "fsdp"])
 
 
+def test_ported_sparse_gradients():
+    """test_sparse_gradients (nn.EmbeddingBag(sparse=True)), accumulated once under no_sync."""
+    _check("main", "sparse_gradients", ["gs", "gs_items", "zero2", "zero2_items", "fsdp",
+                                        "fsdp_items", "local"])
+
+
 def test_ported_undefined_output_gradient():
     """test_undefined_grad_parity_unused_parameters."""
     _check("main", "undefined_grad", ["gs", "gs_items", "zero2", "zero2_items", "fsdp", "local"])
@@ -1069,6 +1112,7 @@ def _spawn_plan():
         + _jobs("reassigned_buffer", reassigned_buffer, ("ddp", "gs", "gs_items", "zero2", "fsdp"))
         + _jobs("module_hooks", module_hooks, ("ddp", "gs", "zero2", "fsdp"))
         + _jobs("undefined_grad", undefined_grad, DP_KINDS + ("fsdp", "local"))
+        + _jobs("sparse_gradients", sparse_gradients, ALL_KINDS)
         + _jobs("grad_norm_penalty", grad_norm_penalty, ("ddp", "gs", "gs_items", "zero2"))
         + _jobs("retain_graph", retain_graph, ("ddp", "gs", "gs_items", "zero2", "local",
                                                "fsdp"))

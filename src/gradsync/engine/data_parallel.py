@@ -156,6 +156,10 @@ class DataParallel(BucketAccess, SyncedModule):
                 self._join()
             bucket, slot = where(i)
             grad = param.grad
+            if grad is not None and grad.layout != torch.strided:
+                # a sparse gradient (nn.Embedding(sparse=True)) is summed dense: the same
+                # values as torch DDP's sparse all-reduce; ``.grad`` comes back dense
+                grad = param.grad = grad.to_dense()
             if grad is None or self._empty or self._held is not None:
                 self._receive_unusual(i, param, bucket, slot)
             else:  # the hot path: a gradient autograd wrote (into the view, or fresh)

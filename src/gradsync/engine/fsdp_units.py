@@ -87,8 +87,8 @@ class UnflattenParams(torch.autograd.Function):
         for piece, g in zip(u.views_of(flat), grads):
             if g is None:  # a parameter that took no part in this forward
                 piece.zero_()
-            else:
-                piece.copy_(g)
+            else:  # a sparse gradient (nn.Embedding(sparse=True)) lands dense
+                piece.copy_(g.to_dense() if g.layout != torch.strided else g)
         flat[u.layout.numel:].zero_()
         return flat, None
 
