@@ -103,3 +103,60 @@ class _Slow(nn.Module):
 
 def slow64() -> nn.Module:
     return _Slow()
+
+
+VOCAB, SEQ = 11, 6
+PADDED_N = 24
+
+
+class PaddedLM(nn.Module):
+    """A transformers-style causal LM in float64: keyword inputs (``input_ids``,
+    ``attention_mask``), logits out; position t sees tokens 0..t (prefix sums)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8, VOCAB)
+        self.double()
+
+    def forward(self, input_ids, attention_mask):
+        h = self.emb(input_ids) * attention_mask.unsqueeze(-1).to(torch.float64)
+        return self.head(torch.tanh(self.mix(torch.cumsum(h, dim=1))))
+
+
+def padded_lm() -> nn.Module:
+    return PaddedLM()
+
+
+def padded_arrays(n: int = PADDED_N, seed: int = 3):
+    """Right-padded sequences of random lengths (many of length 1: no target at all);
+    labels are the next token, -100 wherever there is none."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+    lengths = torch.randint(1, SEQ + 1, (n,), generator=g)
+    lengths[torch.rand(n, generator=g) < 0.4] = 1
+    mask = (torch.arange(SEQ) < lengths[:, None]).long()
+    ids = ids * mask
+    labels = torch.full_like(ids, -100)
+    nxt = mask[:, 1:].bool()
+    labels[:, :-1] = torch.where(nxt, ids[:, 1:], labels[:, :-1])
+    return ids, mask, labels
+
+
+class PaddedTokens(Dataset):
+    """({"input_ids", "attention_mask"}, labels): the layout transformers' collators give."""
+
+    def __init__(self):
+        self.ids, self.mask, self.labels = padded_arrays()
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i]}, self.labels[i]
+
+
+def padded_tokens() -> Dataset:
+    """A plain Dataset: loss and items follow from the integer targets (-100 ignored)."""
+    return PaddedTokens()

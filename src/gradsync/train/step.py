@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -41,8 +42,20 @@ def _nonfinite(stats: torch.Tensor, step: int) -> str | None:
     return None
 
 
-def _to(batch, device):
-    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in batch)
+def _to(obj, device):
+    """Tensors moved to ``device`` inside tuples, lists and dicts (a batch, an input)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, Mapping):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to(v, device) for v in obj)
+    return obj
+
+
+def _forward(model, x):
+    """``model(**x)`` for a dict input (transformers' convention), else ``model(x)``."""
+    return model(**x) if isinstance(x, Mapping) else model(x)
 
 
 def run_step(sess: Session, step: int) -> StepRecord:
@@ -60,11 +73,12 @@ def run_step(sess: Session, step: int) -> StepRecord:
         x, y = _to(task.collate(task.data.train, share[k * m:(k + 1) * m]), sess.device)
         n = task.items(x, y)
         with contextlib.nullcontext() if last else model.no_sync():
-            loss = task.data.loss_fn(model(x), y)
+            loss = task.data.loss_fn(_forward(model, x), y)
             if poison:
                 loss = loss * float("nan")
             model.backward(loss, num_items=n)
-        loss_sum += float(loss.detach()) * n
+        if n:  # a micro-batch of padding only: its loss is 0/0 and counts for nothing
+            loss_sum += float(loss.detach()) * n
         items += n
     with tracing.span("optimizer"):
         norm = float(strategy.clip_grad_norm_(cfg.clip))
@@ -150,10 +164,13 @@ def evaluate(sess: Session) -> float:
             x, y = _to(task.collate(data, idx or [0]), sess.device)
             if idx:
                 n = task.items(x, y)
-                total += torch.tensor([float(task.data.loss_fn(model(x), y)) * n, n],
-                                      dtype=torch.float64)
+                if n:
+                    total += torch.tensor([float(task.data.loss_fn(_forward(model, x), y)) * n,
+                                           n], dtype=torch.float64)
+                else:
+                    _forward(model, x)
             else:
-                model(x)
+                _forward(model, x)
     finally:
         model.train(was_training)
     total = total.to(sess.device)

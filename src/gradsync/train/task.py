@@ -14,10 +14,14 @@ The factories' contracts (also in the README and ``examples/``):
   broadcasts rank 0's values, so every replica starts identical anyway. The
   module's own dtype is kept (``--precision fp32`` means "no mixed precision").
 * data factory: ``factory() -> Dataset | TrainData``, no arguments. A plain
-  map-style Dataset yields ``(input, target)`` pairs of tensors; the loss is then
+  map-style Dataset yields ``(input, target)`` pairs; the loss is then
   cross-entropy over the last dimension when targets are integers (items = target
-  elements, i.e. tokens) and mean squared error otherwise (items = samples). A
-  :class:`TrainData` says it all explicitly and may carry a held-out set.
+  elements other than -100, i.e. tokens; -100 marks padding, as in
+  ``F.cross_entropy`` and transformers) and mean squared error otherwise (items =
+  samples). A :class:`TrainData` says it all explicitly and may carry a held-out set.
+* inputs: a tensor is passed as ``model(input)``; a dict (``{"input_ids": ...,
+  "attention_mask": ...}``) as ``model(**input)``. Samples are batched with torch's
+  ``default_collate`` unless a ``collate_fn`` is given.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from ..errors import UsageError
 from ..factory import factory_name, is_factory_spec, load_factory
@@ -75,21 +79,27 @@ class Task:
         return int(self.data.items_fn(x, y))
 
 
+IGNORE_INDEX = -100
+"""A target that is not an item: F.cross_entropy's default ``ignore_index`` (padding)."""
+
+
 def _lm_loss(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """The mean over every target that is not IGNORE_INDEX."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX)
 
 
 def _stack(samples):
-    xs, ys = zip(*samples)
-    return torch.stack(xs), torch.stack(ys)
+    x, y = default_collate(samples)
+    return x, y
 
 
 def _token_items(x, y) -> int:
-    return int(y.numel())
+    return int((y != IGNORE_INDEX).sum())
 
 
 def _sample_items(x, y) -> int:
-    return int(x.shape[0])
+    return int(y.shape[0])
 
 
 def builtin_data(name: str, cfg: TrainConfig) -> TrainData:
