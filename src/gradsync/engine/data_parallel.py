@@ -139,6 +139,9 @@ class DataParallel(BucketAccess, SyncedModule):
     def _param_names(self) -> list[str]:
         return self._names
 
+    def _optimizer_pieces(self):
+        return list(zip(self._names, self._params))
+
     def _trainable(self) -> list[bool]:
         return [p.requires_grad for p in self._params]
 

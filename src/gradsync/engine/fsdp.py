@@ -177,6 +177,11 @@ class FullyShardedDataParallel(SyncedModule):
     def _param_names(self) -> list[str]:
         return self._names
 
+    def _optimizer_pieces(self):
+        name = {(id(u), k): n for (u, k), n in zip(self._slots, self._names)}
+        return [(name[id(u), s.param] if u.view.segments else None, t)
+                for u in self._units for t, s in zip(u.view.tensors, u.view.segments or [None])]
+
     def _trainable(self) -> list[bool]:
         return [True] * len(self._slots)
 

@@ -48,6 +48,7 @@ from torch import nn
 from ..errors import UnusedParametersError, UsageError
 from . import comm, tracing
 from .item_window import HEADER_SLOTS, ItemWindow, as_count
+from .param_groups import resolve_param_groups
 from .replicas import broadcast_tensors, comm_device
 
 
@@ -146,6 +147,22 @@ class SyncedModule(nn.Module):
 
     def _param_names(self) -> list[str]:
         raise NotImplementedError
+
+    def _optimizer_pieces(self) -> list[tuple[str | None, torch.Tensor]]:
+        """(parameter name, tensor an optimizer of this model steps), in order."""
+        raise NotImplementedError
+
+    def param_groups(self, groups) -> list[dict]:
+        """Optimizer parameter groups written with the model's parameter names, resolved
+        to what ``self.parameters()`` steps (``param_groups.py``)::
+
+            torch.optim.AdamW(model.param_groups([{"params": decay, "weight_decay": 0.1},
+                                                  {"params": rest, "weight_decay": 0.0}]))
+        """
+        pieces = self._optimizer_pieces()
+        return resolve_param_groups(groups, self._param_names(), pieces,
+                                    {id(t): n for n, t in pieces if t.requires_grad},
+                                    type(self).__name__)
 
     def _trainable(self) -> list[bool]:
         """Per used-mask slot: may this parameter receive a gradient now? (A parameter

@@ -41,6 +41,7 @@ import torch
 
 from ..errors import UsageError
 from .data_parallel import DataParallel
+from .param_groups import assign_pieces, check_param_groups
 from .precision import MixedPrecision, cast_inputs_hook, master_dtype
 from .reduction import BucketReduction
 from .shard_comm import ShardComm
@@ -117,6 +118,8 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
             (reduce-scatter/all-gather), ``"all_reduce"``, ``"pairwise"``
             (point-to-point exchanges; what ``"auto"`` picks on gloo) or
             ``"hierarchical"`` (two-level, over the model's or torchrun's hosts).
+        param_groups: groups by parameter name (``param_groups.py``), e.g. no weight
+            decay on biases; default: one group of every parameter.
         **optimizer_kwargs: passed to ``optimizer_class``.
     """
 
@@ -124,7 +127,7 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
 
     def __init__(self, model: DataParallel, optimizer_class, stage: int = 1,
                  mixed_precision: MixedPrecision | None = None, collectives: str = "auto",
-                 **optimizer_kwargs):
+                 param_groups=None, **optimizer_kwargs):
         if not isinstance(model, DataParallel):
             raise UsageError("ZeroOptimizer wraps a gradsync.DataParallel, got "
                              f"{type(model).__name__} (for stage 3 use "
@@ -139,6 +142,9 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
         if collectives == "auto" and getattr(model, "collectives", "native") == "hierarchical":
             collectives = "hierarchical"  # follow the DataParallel it wraps
         self.comm = ShardComm.for_group(self.group, collectives, getattr(model, "topology", None))
+        name = {id(p): n for n, p in model._optimizer_pieces()}
+        group_of = (check_param_groups(param_groups, list(name.values()), name, "ZeroOptimizer")
+                    if param_groups is not None else None)  # before anything changes
         originals = {id(p): p.detach().clone() for p in model.parameters()}
         if mixed_precision is not None:
             with torch.no_grad():
@@ -151,6 +157,10 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
         model.set_reduction(self)  # re-creates the (padded) bucket buffers
         self._shards = [_Shard(b, self.world, self.rank, originals) for b in model.buckets]
         pieces = [t for s in self._shards for t in s.view.tensors]
+        if group_of is not None:
+            pieces = assign_pieces(param_groups, group_of, [
+                (name[id(s.bucket.params[g.param])] if g else None, t) for s in self._shards
+                for t, g in zip(s.view.tensors, s.view.segments or [None])])
         self.optimizer = optimizer_class(pieces, **optimizer_kwargs)
         super().__init__(pieces, dict(self.optimizer.defaults))
         self.param_groups = self.optimizer.param_groups  # one truth: the inner optimizer's
