@@ -40,6 +40,7 @@ from torch import nn
 from ..errors import UsageError
 from .algorithm_buckets import host_topology
 from .algorithms import HostTopology
+from .clip import clip_grad_norm_
 from .comm_thread import private_group
 from .fsdp_gather import UnitGatherer
 from .fsdp_reduce import UnitReducer
@@ -280,6 +281,11 @@ class FullyShardedDataParallel(SyncedModule):
             for (_mod, _attr, k), name in zip(u.slots, slot_names(self.module, u)):
                 out[name] = pieces[k].view(u.shapes[k]).clone()
         return {k: out[k] for k in self._keys if k in out}
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch FSDP's method: clip by the norm over every rank's shards (``clip.py``;
+        ``torch.nn.utils.clip_grad_norm_(model.parameters())`` would see one shard)."""
+        return clip_grad_norm_(self, max_norm, norm_type)
 
     @property
     def units(self):

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UsageError
+from .clip import clip_grad_norm_
 from .data_parallel import DataParallel
 from .param_groups import assign_pieces, check_param_groups
 from .precision import MixedPrecision, cast_inputs_hook, master_dtype
@@ -257,6 +258,10 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
         return [s.grad for s in self._shards]
 
     @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm over every rank's gradient shards (``clip.py``)."""
+        return clip_grad_norm_(self, max_norm, norm_type)
+
     def step(self, closure=None):
         """Update this rank's parameter pieces, then all-gather the parameters."""
         if closure is not None:
