@@ -160,3 +160,14 @@ class PaddedTokens(Dataset):
 def padded_tokens() -> Dataset:
     """A plain Dataset: loss and items follow from the integer targets (-100 ignored)."""
     return PaddedTokens()
+
+
+def tiny_gpt2() -> nn.Module:
+    """transformers' GPT-2 from a config (no download), float64, eager attention, no
+    dropout; its output is a ModelOutput whose ``logits`` the default loss reads."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        tie_word_embeddings=True, attn_implementation="eager")
+    return GPT2LMHeadModel(config).double()

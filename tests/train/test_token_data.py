@@ -7,25 +7,29 @@ the loss is the cross-entropy over non-ignored targets and an item is such a
 target. Sequences have random lengths and many have no target at all, so ranks
 and micro-batches hold different token counts (some none). Every step's logged
 loss and the final parameters must equal one process on each whole global batch
-(float64 SGD with momentum, 1e-12).
+(float64 SGD with momentum, 1e-12), for a small model of ours and for
+transformers' GPT-2 (whose output is a ModelOutput: the default loss reads its
+``logits``).
 """
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import gradsync as gs
 from gradsync.rundir import METRICS, read_metrics
 from gradsync.train.session import lr_factor
-from tests.train.factories import PADDED_N, padded_arrays, padded_lm
+from tests.train import factories
+from tests.train.factories import PADDED_N, padded_arrays
 
 STEPS, GB, MB, WORKERS = 4, 8, 2, 2
 
 
-def _cfg(out):
+def _cfg(out, model="padded_lm"):
     return gs.TrainConfig(
         workers=WORKERS, steps=STEPS, global_batch=GB, micro_batch=MB, lr=0.5, warmup=1,
         optimizer="sgd", out=str(out), clip=0.0, checkpoint_every=0, eval_every=0,
-        no_report=True, seed=0, timeout=60, model="tests.train.factories:padded_lm",
+        no_report=True, seed=0, timeout=60, model=f"tests.train.factories:{model}",
         data="tests.train.factories:padded_tokens")
 
 
@@ -37,9 +41,12 @@ def _order(length):
     return out[:length]
 
 
-def test_dict_inputs_and_padding_labels_train_on_the_global_token_mean(tmp_path):
+@pytest.mark.parametrize("model", ["padded_lm", "tiny_gpt2"])
+def test_dict_inputs_and_padding_labels_train_on_the_global_token_mean(tmp_path, model):
+    if model == "tiny_gpt2":
+        pytest.importorskip("transformers", reason="transformers is not installed")
     out = tmp_path / "run"
-    gs.train(_cfg(out))
+    gs.train(_cfg(out, model))
 
     ids, mask, labels = padded_arrays()
     order = _order(STEPS * GB)
@@ -53,13 +60,14 @@ def test_dict_inputs_and_padding_labels_train_on_the_global_token_mean(tmp_path)
     assert empty >= 1, "the data should hold a micro-batch of padding only"
 
     torch.manual_seed(0)
-    model = padded_lm()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    net = getattr(factories, model)()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, _cfg("x")))
     ref = []
     for j in range(STEPS):
         block = order[j * GB:(j + 1) * GB]
-        logits = model(input_ids=ids[block], attention_mask=mask[block])
+        logits = net(input_ids=ids[block], attention_mask=mask[block])
+        logits = getattr(logits, "logits", logits)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[block].reshape(-1))
         ref.append(loss.item())
         loss.backward()
@@ -71,5 +79,5 @@ def test_dict_inputs_and_padding_labels_train_on_the_global_token_mean(tmp_path)
     gaps = [abs(m["loss"] - r) for m, r in zip(metrics, ref)]
     assert len(gaps) == STEPS and max(gaps) <= 1e-12, gaps
     state = torch.load(out / "checkpoint.pt", weights_only=False)["model"]
-    gap = max(float((state[k] - v).abs().max()) for k, v in model.state_dict().items())
+    gap = max(float((state[k] - v).abs().max()) for k, v in net.state_dict().items())
     assert gap <= 1e-12, gap

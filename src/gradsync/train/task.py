@@ -21,7 +21,10 @@ The factories' contracts (also in the README and ``examples/``):
   samples). A :class:`TrainData` says it all explicitly and may carry a held-out set.
 * inputs: a tensor is passed as ``model(input)``; a dict (``{"input_ids": ...,
   "attention_mask": ...}``) as ``model(**input)``. Samples are batched with torch's
-  ``default_collate`` unless a ``collate_fn`` is given.
+  ``default_collate`` unless a ``collate_fn`` is given. The default losses read an
+  output with a ``logits`` field (transformers' ModelOutput) through it. Targets
+  are used as given: for a causal LM they are the *next* tokens (shifted by the
+  data, not by the model; do not pass ``labels`` to a transformers model).
 """
 
 from __future__ import annotations
@@ -83,10 +86,23 @@ IGNORE_INDEX = -100
 """A target that is not an item: F.cross_entropy's default ``ignore_index`` (padding)."""
 
 
-def _lm_loss(logits, targets):
+def _logits(output):
+    """The tensor a default loss reads: transformers' ModelOutput (or a dict) through its
+    ``logits``, anything else as it is."""
+    if isinstance(output, dict) or hasattr(output, "logits"):
+        return output["logits"] if isinstance(output, dict) else output.logits
+    return output
+
+
+def _lm_loss(output, targets):
     """The mean over every target that is not IGNORE_INDEX."""
+    logits = _logits(output)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX)
+
+
+def _mse_loss(output, targets):
+    return F.mse_loss(_logits(output), targets)
 
 
 def _stack(samples):
@@ -122,7 +138,7 @@ def complete(data: TrainData | Dataset) -> TrainData:
     if data.loss_fn is None or data.items_fn is None or data.item_name is None:
         _, y = collate([data.train[0]])
         integer = not torch.is_floating_point(y)
-        data.loss_fn = data.loss_fn or (_lm_loss if integer else F.mse_loss)
+        data.loss_fn = data.loss_fn or (_lm_loss if integer else _mse_loss)
         data.items_fn = data.items_fn or (_token_items if integer else _sample_items)
         data.item_name = data.item_name or ("tokens" if integer else "samples")
     data.collate_fn = collate
