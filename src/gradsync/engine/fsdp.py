@@ -44,7 +44,8 @@ from .clip import clip_grad_norm_
 from .comm_thread import private_group
 from .fsdp_gather import UnitGatherer
 from .fsdp_reduce import UnitReducer
-from .fsdp_units import build_units, first_names, slot_names
+from .fsdp_state import full_state_dict, load_full_state_dict
+from .fsdp_units import build_units, first_names
 from .precision import MixedPrecision, cast_inputs_hook
 from .replicas import broadcast_module_state, comm_device, verify_same_structure
 from .shard_comm import ShardComm
@@ -92,7 +93,7 @@ class FullyShardedDataParallel(SyncedModule):
         self._dev = comm_device(group)
         verify_same_structure(module, group, what="FullyShardedDataParallel")
         broadcast_module_state(module, group)
-        self._keys = list(module.state_dict().keys())
+        self.original_keys = list(module.state_dict().keys())
         self._units = build_units(module, wrap, self.world, self.rank,
                                   mixed_precision.param_dtype if mixed_precision else None)
         self.shards = nn.ParameterList([t for u in self._units for t in u.view.tensors])
@@ -269,18 +270,19 @@ class FullyShardedDataParallel(SyncedModule):
         """This rank's slice of each unit's synchronised gradient (None before a sync)."""
         return [u.grad for u in self._units]
 
-    @torch.no_grad()
     def full_state_dict(self) -> dict:
-        """The consolidated state dict with the original names (every rank gets it)."""
-        out = dict(self.module.state_dict())
-        for u in self._units:
-            full = torch.empty(u.layout.padded, dtype=u.shard.dtype)
-            self.comm.gather(full, u.shard, self.rank, self.shard_group,
-                             tag=f"state{u.index}").wait()
-            pieces = full[:u.layout.numel].split(list(u.layout.numels))
-            for (_mod, _attr, k), name in zip(u.slots, slot_names(self.module, u)):
-                out[name] = pieces[k].view(u.shapes[k]).clone()
-        return {k: out[k] for k in self._keys if k in out}
+        """The consolidated state dict, original names (a collective: ``fsdp_state.py``)."""
+        return full_state_dict(self)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """A consolidated dict (original names) is sliced into this rank's shards with no
+        collective (``fsdp_state.py``); a dict of this wrapper's own keys is nn.Module's."""
+        if not set(state_dict) & set(self.original_keys):
+            return super().load_state_dict(state_dict, strict, assign)
+        return load_full_state_dict(self, state_dict, strict)
+
+    def release_gathered(self) -> None:
+        self._gatherer.release_all()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch FSDP's method: clip by the norm over every rank's shards (``clip.py``;

@@ -189,7 +189,8 @@ def load_sharded(path, target, optimizer=None) -> dict:
     manifest, payloads = _read_verified(path)
     saved = {n: tuple(s) for n, s in manifest["tensors"]}
     module = target.model.module if kind == "zero" else target.module
-    order = {k: i for i, k in enumerate(target._keys if kind == "fsdp" else module.state_dict())}
+    keys = target.original_keys if kind == "fsdp" else module.state_dict()
+    order = {k: i for i, k in enumerate(keys)}
     mine = sorted(((n, s) for names, shapes, *_ in bufs for n, s in zip(names, shapes)),
                   key=lambda ns: order.get(ns[0].split(" = ")[0], len(order)))
     for n, s in mine:  # in the model's registration order: the first mismatch is named
