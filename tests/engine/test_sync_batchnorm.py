@@ -248,6 +248,12 @@ def test_convert_replaces_every_batchnorm_and_keeps_its_tensors():
     assert list(after) == list(before) and all(after[k] is before[k] for k in before)
     root = gs.convert_sync_batchnorm(nn.BatchNorm3d(C))
     assert isinstance(root, gs.SyncBatchNorm)
+    # torch's spellings: the classmethod, process_group=, and torch's own SyncBatchNorm
+    torch_sync = nn.SyncBatchNorm.convert_sync_batchnorm(Nested())
+    ours = gs.SyncBatchNorm.convert_sync_batchnorm(torch_sync, process_group=None)
+    assert isinstance(ours.features[1], gs.SyncBatchNorm) and isinstance(ours.head,
+                                                                        gs.SyncBatchNorm)
+    assert gs.SyncBatchNorm(C, process_group="g").group == "g"
 
 
 def test_without_a_process_group_it_is_batchnorm():

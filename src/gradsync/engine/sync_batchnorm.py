@@ -139,16 +139,22 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     """``BatchNorm1d/2d/3d`` whose training statistics are those of the whole global batch.
 
-    Same arguments as ``torch.nn.SyncBatchNorm`` (``group`` is its ``process_group``;
-    ``None`` means the world). Input: ``(N, C, *)`` with at least 2 dimensions.
+    Same arguments as ``torch.nn.SyncBatchNorm`` (``group`` is its ``process_group``,
+    either name accepted; ``None`` means the world). Input: ``(N, C, *)`` with at
+    least 2 dimensions.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True, group=None,
-                 device=None, dtype=None, *, bias: bool = True):
+                 device=None, dtype=None, *, bias: bool = True, process_group=None):
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype, bias=bias)
-        self.group = group
+        self.group = group if process_group is None else process_group
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module, process_group=None) -> nn.Module:
+        """torch's spelling of :func:`convert_sync_batchnorm`."""
+        return convert_sync_batchnorm(module, process_group)
 
     def _check_input_dim(self, input):
         if input.dim() < 2:
