@@ -63,7 +63,10 @@ def _inner_step(model, opt, x, y, idx):
 
 def _build(cfg, model):
     inner = _inner(cfg.get("inner", "sgd"), model.parameters())
-    common = dict(outer_optimizer=_outer(cfg.get("outer", "nesterov")), sync_every=cfg["H"],
+    outer = _outer(cfg.get("outer", "nesterov"))
+    if cfg.get("outer") == "instance":  # built over the model's parameters, as torchft does
+        outer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.8)
+    common = dict(outer_optimizer=outer, sync_every=cfg["H"],
                   compress=cfg.get("compress"))
     if "F" in cfg:
         d = gs.StreamingDiLoCo(model, inner, fragments=cfg["F"], delay=cfg["tau"],
@@ -158,7 +161,8 @@ def _bad_input():
                  lambda: gs.DiLoCo(mlp(hidden=12 + gs.rank()), opt),
                  lambda: gs.DiLoCo(model, opt).step(num_items=-1),
                  lambda: gs.DiLoCo(model, opt, sync_every=3).load_state_dict(
-                     gs.DiLoCo(model, opt, sync_every=4).state_dict())):
+                     gs.DiLoCo(model, opt, sync_every=4).state_dict()),
+                 lambda: gs.DiLoCo(model, opt, torch.optim.SGD(list(model.parameters())[:1]))):
         try:
             make()
             errors.append(None)
@@ -254,6 +258,7 @@ STREAM_AS_DILOCO = {"H": 4, "outer": "nesterov", "F": 1, "tau": 0, "alpha": 0.0}
 RESUME = {"H": 4, "outer": "nesterov", "inner": "adamw"}
 RESUME_INT8 = {**RESUME, "compress": "int8"}
 RESUME_STREAM = {**STREAM, "inner": "adamw", "compress": "bf16"}
+INSTANCE = {"H": 4, "outer": "instance"}
 
 
 def _jobs(world):
@@ -268,7 +273,7 @@ def _jobs(world):
                  (_bytes_per_step, ({"H": 8, "outer": "local"}, 16)),
                  (_bytes_per_step, ({"H": 8, "outer": "local", "F": 4, "tau": 0, "alpha": 0.0},
                                     16)),
-                 (_buffers_averaged, ()), (_bad_input, ())]
+                 (_buffers_averaged, ()), (_bad_input, ()), (_run, (INSTANCE, sched, STEPS))]
     return jobs
 
 
@@ -369,6 +374,16 @@ def test_bad_input_is_a_one_line_error_on_every_rank():
     res = _results(2, 14)
     assert res[0][:6] == res[1][:6]
     expected = ["sync_every", "inner_optimizer", "unknown compression", "delay", "alpha",
-                "fragments", "differs across ranks", "num_items", "sync_every=4"]
+                "fragments", "differs across ranks", "num_items", "sync_every=4",
+                "must hold every trainable parameter"]
     for msg, word in zip(res[0], expected):
         assert msg is not None and word in msg and "\n" not in msg, (word, msg)
+
+
+def test_outer_optimizer_built_over_the_model_is_rebuilt_over_the_global_copy():
+    """torchft's convention: ``outer = SGD(model.parameters(), ...)``; the same run as the
+    factory ``lambda ps: SGD(ps, ...)`` with those options."""
+    sched = SCHED[2]
+    params = _identical(_results(2, 15))
+    gap = max_gap(params, _reference_local(sched, STEPS, 2, {"H": 4, "outer": "momentum"}))
+    assert gap <= TOL, f"gap {gap:.3e}"

@@ -43,7 +43,7 @@ from ..errors import UsageError
 from . import comm
 from .compress import Compressor, parse_compression
 from .compress.base import ring_bytes
-from .diloco_fragments import Fragment, split_parameters
+from .diloco_fragments import Fragment, build_outer_optimizer, split_parameters
 from .item_window import as_count
 from .replicas import broadcast_module_state, broadcast_tensors, verify_same_structure
 
@@ -104,8 +104,9 @@ class DiLoCo:
             rank 0's parameters and buffers are broadcast at construction).
         inner_optimizer: the optimizer the caller steps every inner step; DiLoCo
             never steps it, but saves and restores it in ``state_dict()``.
-        outer_optimizer: ``lambda params: torch.optim.X(params, ...)``, built over the
-            global copy; default SGD(lr=0.7, momentum=0.9, nesterov=True).
+        outer_optimizer: ``lambda params: torch.optim.X(params, ...)`` or an optimizer over
+            ``model.parameters()``, (re)built over the global copy; default
+            SGD(lr=0.7, momentum=0.9, nesterov=True).
         sync_every: H, inner steps between syncs.
         group: process group (default: the world).
         compress: ``None`` (exact all-reduce), ``"bf16"``, ``"int8"``, ... or a
@@ -131,9 +132,11 @@ class DiLoCo:
                              f"got {type(inner_optimizer).__name__}")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise UsageError(f"sync_every must be an int >= 1, got {sync_every!r}")
-        if outer_optimizer is not None and not callable(outer_optimizer):
-            raise UsageError("outer_optimizer must be a factory: lambda params: "
-                             f"torch.optim.X(params, ...), got {type(outer_optimizer).__name__}")
+        if not (outer_optimizer is None or callable(outer_optimizer)
+                or isinstance(outer_optimizer, torch.optim.Optimizer)):
+            raise UsageError("outer_optimizer must be a factory: lambda params: torch.optim.X("
+                             f"params, ...), or an optimizer over the model's parameters, got "
+                             f"{type(outer_optimizer).__name__}")
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.sync_every = sync_every
@@ -147,11 +150,8 @@ class DiLoCo:
         broadcast_module_state(model, group)
         self.fragments = [Fragment(i, named)
                           for i, named in enumerate(split_parameters(model, _fragments))]
-        anchors = [a for f in self.fragments for a in f.anchors]
-        self.outer_optimizer = (outer_optimizer or default_outer_optimizer)(anchors)
-        if not isinstance(self.outer_optimizer, torch.optim.Optimizer):
-            raise UsageError("outer_optimizer(params) must return a torch.optim.Optimizer, got "
-                             f"{type(self.outer_optimizer).__name__}")
+        self.outer_optimizer = build_outer_optimizer(outer_optimizer, self.fragments,
+                                                     default_outer_optimizer)
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point() and b.numel()]
         self._other_buffers = [b for b in model.buffers()
                                if not b.is_floating_point() and b.numel()]

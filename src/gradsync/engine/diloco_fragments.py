@@ -103,3 +103,35 @@ def split_parameters(model: nn.Module, fragments) -> list[list[tuple[str, nn.Par
         raise UsageError("fragments must name every trainable parameter exactly once, in "
                          f"non-empty groups (unknown {unknown[:3]}, missing {missing[:3]})")
     return [[(n, by_name[n]) for n in group] for group in fragments]
+
+
+def build_outer_optimizer(outer, fragments: list[Fragment], default) -> torch.optim.Optimizer:
+    """The outer optimizer over the fragments' anchors (the global copy).
+
+    ``outer``: None (``default(anchors)``), a factory ``f(params) -> Optimizer``, or an
+    optimizer already built over the model's own parameters (as torchft's DiLoCo takes
+    it): rebuilt with the same class and per-group options, each parameter replaced by
+    its anchor. Its state, if any, is not carried over (a new run's outer state).
+    """
+    anchors = [a for f in fragments for a in f.anchors]
+    if not isinstance(outer, torch.optim.Optimizer):
+        built = (outer or default)(anchors)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise UsageError("outer_optimizer(params) must return a torch.optim.Optimizer, "
+                             f"got {type(built).__name__}")
+        return built
+    anchor_of = {id(p): a for f in fragments for p, a in zip(f.params, f.anchors)}
+    name_of = {id(p): n for f in fragments for p, n in zip(f.params, f.names)}
+    groups, seen = [], set()
+    for g in outer.param_groups:
+        if any(id(p) not in anchor_of for p in g["params"]):
+            raise UsageError("outer_optimizer holds a tensor that is not a trainable "
+                             "parameter of the model")
+        seen |= {id(p) for p in g["params"]}
+        groups.append({**{k: v for k, v in g.items() if k != "params"},
+                       "params": [anchor_of[id(p)] for p in g["params"]]})
+    left_out = [name_of[i] for i in anchor_of if i not in seen]
+    if left_out:
+        raise UsageError(f"outer_optimizer must hold every trainable parameter (each sync "
+                         f"resets a parameter to its global copy); missing: {left_out[:5]}")
+    return type(outer)(groups, **outer.defaults)
