@@ -171,3 +171,17 @@ def tiny_gpt2() -> nn.Module:
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         tie_word_embeddings=True, attn_implementation="eager")
     return GPT2LMHeadModel(config).double()
+
+
+class DictSamples(Dataset):
+    """Samples as one dict (the datasets library's layout), not (input, target)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"input_ids": torch.zeros(SEQ, dtype=torch.long), "labels": torch.zeros(SEQ)}
+
+
+def dict_samples() -> Dataset:
+    return DictSamples()

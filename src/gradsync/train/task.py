@@ -106,6 +106,14 @@ def _mse_loss(output, targets):
 
 
 def _stack(samples):
+    first = samples[0]
+    if not (isinstance(first, (tuple, list)) and len(first) == 2):
+        what = (f"a dict with keys {sorted(first)}" if isinstance(first, dict)
+                else f"a {type(first).__name__}" + (f" of {len(first)}" if isinstance(
+                    first, (tuple, list)) else ""))
+        raise UsageError(f"a training sample must be an (input, target) pair, got {what}; "
+                         "return (input, target) from the dataset, or give "
+                         "gradsync.TrainData a collate_fn that builds (inputs, targets)")
     x, y = default_collate(samples)
     return x, y
 
