@@ -27,6 +27,7 @@ from .algorithm_buckets import AlgorithmBuckets
 from .autotune import BucketAutotuner
 from .bucket_layout import BucketAccess, BucketLayout, trainable_parameters
 from .bucketing import BucketSpec, mb_to_bytes
+from .ddp_compat import resolve_ddp_keywords
 from .reduction import AllReduceBuckets, BucketReduction
 from .replicas import broadcast_module_state, comm_device, verify_same_structure
 from .sync_core import Collected, SyncedModule
@@ -58,6 +59,8 @@ class DataParallel(BucketAccess, SyncedModule):
         topology: a :class:`~gradsync.engine.algorithms.HostTopology` for
             ``"hierarchical"`` (e.g. ``HostTopology(ranks_per_host=2)``).
         reduction: how buckets travel, overriding ``collectives`` (e.g. compression).
+        **ddp_keywords: torch DDP's own (``process_group``, ``device_ids``, ...), accepted
+            where they mean something here (``ddp_compat.py``).
 
     ``state_dict()``/``load_state_dict()`` are the unwrapped module's: checkpoints
     carry no ``module.`` prefix.
@@ -66,7 +69,8 @@ class DataParallel(BucketAccess, SyncedModule):
     def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float | str = 25,
                  first_bucket_mb: float = 1, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, collectives: str = "native",
-                 topology=None, reduction: BucketReduction | None = None):
+                 topology=None, reduction: BucketReduction | None = None, **ddp_keywords):
+        group = resolve_ddp_keywords(module, group, ddp_keywords)
         super().__init__(module, group, find_unused_parameters, broadcast_buffers,
                          "DataParallel")
         if isinstance(bucket_cap_mb, str):
