@@ -9,7 +9,7 @@ and micro-batches hold different token counts (some none). Every step's logged
 loss and the final parameters must equal one process on each whole global batch
 (float64 SGD with momentum, 1e-12), for a small model of ours and for
 transformers' GPT-2 (whose output is a ModelOutput: the default loss reads its
-``logits``).
+``logits``), the latter also sharded (zero3, GPT-2 blocks as units).
 """
 
 import pytest
@@ -25,10 +25,11 @@ from tests.train.factories import PADDED_N, padded_arrays
 STEPS, GB, MB, WORKERS = 4, 8, 2, 2
 
 
-def _cfg(out, model="padded_lm"):
+def _cfg(out, model="padded_lm", strategy="ddp"):
     return gs.TrainConfig(
         workers=WORKERS, steps=STEPS, global_batch=GB, micro_batch=MB, lr=0.5, warmup=1,
-        optimizer="sgd", out=str(out), clip=0.0, checkpoint_every=0, eval_every=0,
+        optimizer="sgd", strategy=strategy, out=str(out), clip=0.0, checkpoint_every=0,
+        eval_every=0,
         no_report=True, seed=0, timeout=60, model=f"tests.train.factories:{model}",
         data="tests.train.factories:padded_tokens")
 
@@ -41,12 +42,15 @@ def _order(length):
     return out[:length]
 
 
-@pytest.mark.parametrize("model", ["padded_lm", "tiny_gpt2"])
-def test_dict_inputs_and_padding_labels_train_on_the_global_token_mean(tmp_path, model):
+@pytest.mark.parametrize("model,strategy", [("padded_lm", "ddp"), ("tiny_gpt2", "ddp"),
+                                            ("tiny_gpt2", "zero3")])
+def test_dict_inputs_and_padding_labels_train_on_the_global_token_mean(tmp_path, model,
+                                                                       strategy):
     if model == "tiny_gpt2":
         pytest.importorskip("transformers", reason="transformers is not installed")
     out = tmp_path / "run"
-    gs.train(_cfg(out, model))
+    summary = gs.train(_cfg(out, model, strategy))
+    assert summary["strategy"] == strategy
 
     ids, mask, labels = padded_arrays()
     order = _order(STEPS * GB)
