@@ -30,7 +30,8 @@ from .bucketing import BucketSpec, mb_to_bytes
 from .ddp_compat import resolve_ddp_keywords
 from .reduction import AllReduceBuckets, BucketReduction
 from .replicas import broadcast_module_state, comm_device, verify_same_structure
-from .sync_core import Collected, SyncedModule
+from .sync_core import SyncedModule
+from .sync_protocol import Collected
 
 
 class DataParallel(BucketAccess, SyncedModule):

@@ -49,7 +49,8 @@ from .fsdp_units import build_units, first_names
 from .precision import MixedPrecision, cast_inputs_hook
 from .replicas import broadcast_module_state, comm_device, verify_same_structure
 from .shard_comm import ShardComm
-from .sync_core import Collected, SyncedModule, tensors_in
+from .sync_core import SyncedModule
+from .sync_protocol import Collected, tensors_in
 
 
 class FullyShardedDataParallel(SyncedModule):
@@ -116,9 +117,8 @@ class FullyShardedDataParallel(SyncedModule):
                                     grad_group, self.topology.inter_group if self.topology
                                     else None,
                                     mixed_precision.reduce_dtype if mixed_precision else None)
-        # kept gathered from forward into backward (FSDP2 keeps the root; DeepSpeed's
-        # reuse distance keeps what is needed again at once): the root, and the last
-        # unit, whose backward comes first -- a free and a gather saved each
+        # kept gathered into backward (FSDP2 keeps the root; DeepSpeed's reuse distance,
+        # what is needed again at once): the root and the last unit, whose backward is first
         self._keep_for_backward = set(map(id, root + rest[-1:]))
 
     # ------------------------------------------------------------------ unit hooks

@@ -7,7 +7,8 @@ That part lives here, once: ``backward(loss, num_items)``, ``no_sync()``, the
 forward-time sync decision, output hooks, the item window, buffer broadcasts and
 the end-of-backward callback. A strategy subclasses :class:`SyncedModule` and
 supplies the mechanics (``_run_forward``, ``_sync_open``, ``_sync_collect``,
-``_sync_complete``, ``_set_aside``/``_take_back``, ``_replay_empty``).
+``_sync_complete``, ``_set_aside``/``_take_back``, ``_replay_*``: the hooks listed
+in ``sync_protocol.py``).
 
 The rules a user switching from torch DDP (arXiv 2006.15704) may rely on; the
 only intended difference is the divisor (the global item count with
@@ -39,7 +40,6 @@ only intended difference is the divisor (the global item count with
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,38 +48,11 @@ from torch import nn
 from ..errors import UnusedParametersError, UsageError
 from . import comm, tracing
 from .item_window import HEADER_SLOTS, ItemWindow, as_count
-from .param_groups import resolve_param_groups
 from .replicas import broadcast_tensors, comm_device
+from .sync_protocol import SyncProtocol, tensors_in
 
 
-def tensors_in(obj):
-    """Every tensor in a (nested) tuple/list/dict output."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from tensors_in(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from tensors_in(o)
-
-
-@dataclass
-class Collected:
-    """What a strategy hands back once every gradient collective of a sync completed.
-
-    header: the summed item-window header. used: the summed used-mask (one slot per
-    tracked parameter; > 0 means used on some rank), present when
-    ``find_unused_parameters``. missing: indices of parameters this rank tracks that
-    never joined this pass (and are still trainable).
-    """
-
-    header: torch.Tensor
-    used: torch.Tensor | None
-    missing: list[int]
-
-
-class SyncedModule(nn.Module):
+class SyncedModule(SyncProtocol, nn.Module):
     """The shared core of DataParallel and FullyShardedDataParallel (see module docstring)."""
 
     def __init__(self, module: nn.Module, group, find_unused_parameters: bool,
@@ -108,72 +81,6 @@ class SyncedModule(nn.Module):
         self._header_buf = torch.zeros(HEADER_SLOTS, dtype=torch.float64,
                                        device=comm_device(group))
         self._header_pending: comm.Pending | None = None
-
-    # ------------------------------------------------------------ for subclasses
-    def _synced_buffers(self) -> list[torch.Tensor]:
-        return [b for b in self.module.buffers() if b.numel()]
-
-    def _run_forward(self, args, kwargs):
-        return self.module(*args, **kwargs)
-
-    def _set_aside(self) -> None:
-        """Rule 2: move gradients held from before this window out of autograd's way."""
-
-    def _take_back(self) -> None:
-        """A pass that nothing joined: put what ``_set_aside`` moved back unchanged."""
-
-    def _sync_open(self) -> None:
-        """The first parameter joined a synchronised pass (launch the header, reset counts)."""
-
-    def _sync_collect(self) -> Collected:
-        raise NotImplementedError
-
-    def _sync_complete(self, divisor: float, used: list[bool]) -> None:
-        raise NotImplementedError
-
-    def _sync_reset(self) -> None:
-        """A sync failed after its collectives completed: forget this pass's state."""
-
-    def _hold_gradients(self) -> None:
-        """Before an empty rank's backward through its graph: keep gradients where
-        autograd cannot accumulate into them in place (what arrives is checked first)."""
-
-    def _replay_forward(self) -> None:
-        """Rule 5: the collectives of a forward this rank without data did not run."""
-
-    def _replay_backward(self) -> None:
-        """Rule 5: this rank's share of a backward's collectives, with zero gradients."""
-        raise NotImplementedError
-
-    def _param_names(self) -> list[str]:
-        raise NotImplementedError
-
-    def _optimizer_pieces(self) -> list[tuple[str | None, torch.Tensor]]:
-        """(parameter name, tensor an optimizer of this model steps), in order."""
-        raise NotImplementedError
-
-    def param_groups(self, groups) -> list[dict]:
-        """Optimizer parameter groups written with the model's parameter names, resolved
-        to what ``self.parameters()`` steps (``param_groups.py``)::
-
-            torch.optim.AdamW(model.param_groups([{"params": decay, "weight_decay": 0.1},
-                                                  {"params": rest, "weight_decay": 0.0}]))
-        """
-        pieces = self._optimizer_pieces()
-        return resolve_param_groups(groups, self._param_names(), pieces,
-                                    {id(t): n for n, t in pieces if t.requires_grad},
-                                    type(self).__name__)
-
-    def _trainable(self) -> list[bool]:
-        """Per used-mask slot: may this parameter receive a gradient now? (A parameter
-        frozen after wrapping takes no part and is never reported missing.)"""
-        raise NotImplementedError
-
-    def _pass_started(self) -> None:
-        """Every backward pass through this model begins (before any gradient)."""
-
-    def _pass_over(self) -> None:
-        """Every backward pass ends, joined or not, synchronised or not."""
 
     # ------------------------------------------------------------ small collectives
     def _launch_header(self, group) -> None:
