@@ -72,6 +72,6 @@ def load_full_state_dict(fsdp, state_dict, strict: bool = True):
             if t is not None and lo < hi:  # this rank's part of this parameter
                 u.shard[lo - start:hi - start] = t.reshape(-1)[lo - offset:hi - offset]
             offset += numel
-    rest = {k: v for k, v in state_dict.items() if k in fsdp.module.state_dict()}
-    fsdp.module.load_state_dict(rest, strict=False)
+    own = fsdp.module.state_dict()  # buffers (and frozen parameters) the module still holds
+    fsdp.module.load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=False)
     return missing, unexpected

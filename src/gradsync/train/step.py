@@ -162,15 +162,11 @@ def evaluate(sess: Session) -> float:
         for r in range(rounds):
             idx = mine[r * m:(r + 1) * m]
             x, y = _to(task.collate(data, idx or [0]), sess.device)
-            if idx:
-                n = task.items(x, y)
-                if n:
-                    total += torch.tensor([float(task.data.loss_fn(_forward(model, x), y)) * n,
-                                           n], dtype=torch.float64)
-                else:
-                    _forward(model, x)
-            else:
-                _forward(model, x)
+            out = _forward(model, x)  # every rank, every round (see above)
+            n = task.items(x, y) if idx else 0
+            if n:  # none: nothing left here, or padding only (its loss is 0/0)
+                total += torch.tensor([float(task.data.loss_fn(out, y)) * n, n],
+                                      dtype=torch.float64)
     finally:
         model.train(was_training)
     total = total.to(sess.device)

@@ -29,7 +29,7 @@ The factories' contracts (also in the README and ``examples/``):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -89,9 +89,7 @@ IGNORE_INDEX = -100
 def _logits(output):
     """The tensor a default loss reads: transformers' ModelOutput (or a dict) through its
     ``logits``, anything else as it is."""
-    if isinstance(output, dict) or hasattr(output, "logits"):
-        return output["logits"] if isinstance(output, dict) else output.logits
-    return output
+    return output["logits"] if isinstance(output, Mapping) else getattr(output, "logits", output)
 
 
 def _lm_loss(output, targets):
@@ -108,9 +106,8 @@ def _mse_loss(output, targets):
 def _stack(samples):
     first = samples[0]
     if not (isinstance(first, (tuple, list)) and len(first) == 2):
-        what = (f"a dict with keys {sorted(first)}" if isinstance(first, dict)
-                else f"a {type(first).__name__}" + (f" of {len(first)}" if isinstance(
-                    first, (tuple, list)) else ""))
+        what = (f"a dict with keys {sorted(first)}" if isinstance(first, Mapping)
+                else f"a {type(first).__name__}")
         raise UsageError(f"a training sample must be an (input, target) pair, got {what}; "
                          "return (input, target) from the dataset, or give "
                          "gradsync.TrainData a collate_fn that builds (inputs, targets)")
