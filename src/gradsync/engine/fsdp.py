@@ -28,10 +28,12 @@ order, root last: ``fsdp_reduce.py``) whatever order autograd happens to fire ho
 
 A parameter shared by two units (tied weights) belongs to the root unit, which is
 gathered for the whole forward. Every rank must run the same units in each forward
-(a rank with ``num_items=0`` replays them, assuming registration order).
+(a rank with ``num_items=0`` and no forward replays its own last forward's gathers).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -129,9 +131,7 @@ class FullyShardedDataParallel(SyncedModule):
         return pre
 
     def _make_post(self, u):
-        def post(_module, _args, out):
-            self._after_forward(u, out)
-        return post
+        return lambda _module, _args, out: self._after_forward(u, out)
 
     def _after_forward(self, u, out):
         if torch.is_grad_enabled():
@@ -168,12 +168,15 @@ class FullyShardedDataParallel(SyncedModule):
         grad = torch.is_grad_enabled()
         if not self._in_pass:
             self._gatherer.release_all()
-        if self._root is not None:
-            self._gatherer.gather(self._root, grad)
-            self._gatherer.prefetch_after(self._root, False, self.module)
-        out = self.module(*args, **kwargs)
-        if self._root is not None:
-            self._after_forward(self._root, out)
+            if grad:  # recorded, for a rank with no data to replay (fsdp_gather.py)
+                self._gatherer.phase("forward")
+        with contextlib.nullcontext() if grad else self._gatherer.paused():
+            if self._root is not None:
+                self._gatherer.gather(self._root, grad)
+                self._gatherer.prefetch_after(self._root, False, self.module)
+            out = self.module(*args, **kwargs)
+            if self._root is not None:
+                self._after_forward(self._root, out)
         return out
 
     def _param_names(self) -> list[str]:
@@ -188,6 +191,7 @@ class FullyShardedDataParallel(SyncedModule):
         return [True] * len(self._slots)
 
     def _pass_started(self) -> None:
+        self._gatherer.phase("backward")
         if self._root is not None:
             # the root is re-gathered first, whichever output hook autograd fires first,
             # so the gather sequence is the same on every rank (and in _replay_empty)
@@ -247,23 +251,18 @@ class FullyShardedDataParallel(SyncedModule):
             u.used = [False] * len(u.used)
 
     def _replay_forward(self) -> None:
-        """The same gathers as a forward, keeping the same units."""
-        self._gatherer.release_all()
-        for u in self._units:
-            self._gatherer.gather(u, False)
-            if id(u) not in self._keep_for_backward:
-                self._gatherer.free(u)
+        """The same gathers as this rank's last forward, keeping the same units."""
+        self._gatherer.replay_forward(self._keep_for_backward)
 
     def _replay_backward(self) -> None:
         """The same gathers and reductions as a backward, with zero gradients."""
-        root = [u for u in self._units if u.module is self.module]
-        rest = [u for u in self._units if u.module is not self.module]
-        for u in root + rest[::-1]:
-            self._gatherer.gather(u, False)
-            self._gatherer.free(u)
+        def accept(u):
             u.joined = [True] * len(u.joined)
             self._reducer.accept(u, torch.zeros_like(u.full.data, dtype=u.full.dtype),
                                  self._syncing)
+        order = self._reducer.order  # reverse registration order, the root last
+        self._gatherer.replay_backward(order, accept, order[-1:] + order[:-1]
+                                       if self._root is not None else order)  # root first
 
     # ------------------------------------------------------------------ state
     def grad_shards(self):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import UsageError
 from .precision import master_dtype
 from .shard_view import ShardView
 from .sharding import FlatShard
@@ -106,12 +107,10 @@ def build_units(module: nn.Module, wrap, world: int, rank: int,
     is_unit = wrap if callable(wrap) and not isinstance(wrap, type) else (
         lambda m: isinstance(m, tuple(wrap or ())))
     owner_of: dict[nn.Module, nn.Module] = {module: module}
-    order = [module]
-    for _name, m in module.named_modules():
+    for m in module.modules():  # pre-order: a parent's owner is known before its children
         for child in m.children():
             owner_of.setdefault(child, child if is_unit(child) else owner_of[m])
-            if child is owner_of[child] and child not in order:
-                order.append(child)
+    order = [m for m in module.modules() if owner_of[m] is m]  # units in pre-order
     params: dict[int, nn.Parameter] = {}
     owners: dict[int, set] = {}
     slots: dict[int, list] = {}
@@ -126,6 +125,8 @@ def build_units(module: nn.Module, wrap, world: int, rank: int,
     for pid in params:
         own = owners[pid]
         per_unit.setdefault(next(iter(own)) if len(own) == 1 else module, []).append(pid)
+    for m, pids in per_unit.items():  # before any module is changed
+        _check_one_dtype(module, m, [params[i] for i in pids])
     dtype = param_dtype
     units = []
     for m in order:
@@ -140,6 +141,20 @@ def build_units(module: nn.Module, wrap, world: int, rank: int,
             del mod._parameters[attr]
             setattr(mod, attr, None)
     return units
+
+
+def _check_one_dtype(root: nn.Module, unit: nn.Module, params: list[nn.Parameter]) -> None:
+    """A unit is one flat buffer of one dtype: refuse to round (or widen) a parameter."""
+    if len({p.dtype for p in params}) < 2:
+        return
+    name = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
+    where = next((n for n, m in root.named_modules() if m is unit), "") or "the root"
+    mixed = ", ".join(f"{name.get(id(p), '?')} ({str(p.dtype).replace('torch.', '')})"
+                      for p in params)
+    raise UsageError(f"FullyShardedDataParallel: unit {where} ({type(unit).__name__}) mixes "
+                     f"parameter dtypes: {mixed}. A unit is one flat buffer of one dtype: "
+                     f"cast the model to one dtype, or make each dtype's modules units of "
+                     f"their own with wrap=")
 
 
 def slot_names(root: nn.Module, unit: FlatUnit) -> list[str]:
