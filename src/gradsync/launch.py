@@ -29,6 +29,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from . import dist as gdist
 from .errors import UsageError, WorkerFailedError
 from .heap import keep_freed_memory
+from .lifeline import die_with
 
 # Failures that are consequences of another rank's failure, not causes.
 _SECONDARY = re.compile(
@@ -92,7 +93,10 @@ def _caller_environment() -> dict[str, str]:
 
 
 def _worker_entry(fn: Callable, backend: str | None, timeout_s: float | None,
-                  threads: int, args: tuple, environ: dict | None = None):
+                  threads: int, args: tuple, environ: dict | None = None,
+                  launcher_pid: int | None = None):
+    if launcher_pid is not None:
+        die_with(launcher_pid)  # no worker outlives a SIGKILLed launcher (lifeline.py)
     os.environ.update(environ or {})
     torch.set_num_threads(threads)
     keep_freed_memory()
@@ -200,7 +204,7 @@ def launch(fn: Callable, nproc: int, args: tuple = (), *, backend: str | None = 
     with quiet_ctx, _restore_signal_handlers():
         try:
             return elastic_launch(config, _worker_entry)(fn, backend, timeout_s, threads, args,
-                                                         _caller_environment())
+                                                         _caller_environment(), os.getpid())
         except ChildFailedError as err:
             raise describe_failures(err) from None
 
