@@ -68,6 +68,8 @@ def test_stopped_mid_interval_and_continued_is_bit_identical(tmp_path, flags):
     ({"sync": "diloco", "compress": "powersgd:2"}, "pseudo-gradients"),
     ({"compress": "int8", "collectives": "hierarchical"}, "do not combine"),
     ({"compress": "zstd"}, "unknown --compress"),
+    ({"compress": "int8", "precision": "bf16"}, "--compress int8 and --precision bf16 do not"),
+    ({"sync": "diloco", "precision": "bf16"}, "drop --precision"),
     ({"strategy": "zero3", "collectives": "ring"}, "hybrid"),
 ])
 def test_bad_combinations_are_one_line_errors(tmp_path, kw, message):

@@ -31,9 +31,7 @@ def outer_sgd(lr: float, momentum: float):
 
 def build_local(module, precision, optimizer_class, group, sync: SyncOptions, **opt_kwargs):
     """``--sync diloco|streaming-diloco``: a local replica, its inner optimizer, DiLoCo."""
-    if precision != "fp32":
-        raise UsageError(f"--sync {sync.method} trains in fp32 (the global copy and the "
-                         "pseudo-gradients are kept in full precision); drop --precision")
+    sync.check_precision(precision)
     model = LocalModel(module)
     inner = optimizer_class(module.parameters(), **opt_kwargs)
     compress = None if sync.compress == "none" else sync.compress

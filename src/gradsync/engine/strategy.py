@@ -228,6 +228,7 @@ def default_wrap(module: nn.Module) -> set[type] | None:
 def _ddp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=None,
          **opt_kwargs):
     sync = sync or SyncOptions()
+    sync.check_precision(precision)
     if sync.method != "exact":
         from .local_builders import build_local
         return build_local(module, precision, optimizer_class, group, sync, **opt_kwargs)

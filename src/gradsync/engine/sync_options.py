@@ -79,6 +79,19 @@ class SyncOptions:
             raise UsageError("--compress and --collectives other than native do not combine: "
                              "a compressor does its own communication")
 
+    def check_precision(self, precision: str) -> None:
+        """Local updates and compressors handle gradients in fp32 only (checked by the
+        strategy builders, and by ``gradsync train`` before any worker starts)."""
+        if precision == "fp32":
+            return
+        if self.method != "exact":
+            raise UsageError(f"--sync {self.method} trains in fp32 (the global copy and the "
+                             "pseudo-gradients are kept in full precision); drop --precision")
+        if self.compress != "none":
+            raise UsageError(f"--compress {self.compress} and --precision {precision} do not "
+                             f"combine: the compressor takes over the gradient reduction that "
+                             f"--precision {precision} keeps in fp32; use one or the other")
+
     @property
     def exact(self) -> bool:
         return self.method == "exact" and self.compress == "none"

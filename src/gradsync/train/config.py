@@ -136,7 +136,8 @@ class TrainConfig:
                              f"use one of {', '.join(DATA_FOR_MODEL[self.model])}")
         if not self.out:
             self.out = time.strftime("runs/%Y%m%d-%H%M%S")
-        self.sync_options()  # the same checks as the engine's, before any worker starts
+        # the same checks as the engine's, before any worker starts
+        self.sync_options().check_precision(self.precision)
         if self.drift_every < 0 or self.baseline_steps < 1:
             raise UsageError("--drift-every must be >= 0 and --baseline-steps >= 1")
         if self.trace_steps:
