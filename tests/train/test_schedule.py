@@ -36,3 +36,19 @@ def test_unknown_schedule_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         _parse("--schedule", "linear")
     assert e.value.code == 2 and "invalid choice: 'linear'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(240)
+def test_a_changed_lr_on_resume_is_followed_like_the_schedule(tmp_path):
+    """The state dicts carry the old peak rate; the flags given now decide it."""
+    import gradsync as gs
+    from gradsync.rundir import METRICS, read_metrics
+
+    base = dict(workers=2, global_batch=12, micro_batch=2, warmup=0, schedule="constant",
+                optimizer="sgd", out=str(tmp_path / "run"), checkpoint_every=2, eval_every=0,
+                drift_every=0, no_report=True, timeout=60,
+                model="tests.train.factories:tiny64", data="tests.train.factories:regression64")
+    gs.train(gs.TrainConfig(steps=2, lr=0.01, **base))
+    gs.train(gs.TrainConfig(steps=4, lr=0.03, **base))
+    lrs = [m["lr"] for m in read_metrics(str(tmp_path / "run" / METRICS))[0]]
+    assert lrs == pytest.approx([0.01, 0.01, 0.03, 0.03], rel=1e-12)

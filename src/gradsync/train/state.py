@@ -142,7 +142,9 @@ def load(sess) -> int:
         strategy.load_full_state_dict(state["model"])
         strategy.load_optimizer_state_dict(state["optimizer"])
     strategy.load_extra_state(state.get("strategy_extra") or {})
+    base = list(sess.sched.base_lrs)  # the peak learning rates the flags give now
     sess.sched.load_state_dict(state["scheduler"])
+    _follow_current_lr(sess.sched, base)
     if state.get("sampler") is not None:
         sess.sampler.load_state_dict(state["sampler"])
     else:  # an older checkpoint: every worker's DistributedSampler position
@@ -151,6 +153,19 @@ def load(sess) -> int:
     if state.get("rng") is not None:
         torch.set_rng_state(state["rng"])
     return int(state["step"])
+
+
+def _follow_current_lr(sched, base: list[float]) -> None:
+    """The learning rate follows the flags given now, like the schedule does.
+
+    The optimizer's and scheduler's saved state carry the old run's peak rate
+    (``initial_lr``, ``base_lrs``) and its current rate; restored as they are, a
+    changed ``--lr`` would be ignored while config.json recorded it.
+    """
+    sched.base_lrs = base
+    for group, peak, factor in zip(sched.optimizer.param_groups, base, sched.lr_lambdas):
+        group["initial_lr"] = peak
+        group["lr"] = peak * factor(sched.last_epoch)
 
 
 def agree(value, src: int = 0, device=None):
