@@ -27,6 +27,22 @@ def tiny64() -> nn.Module:
                          nn.Tanh(), nn.Linear(HIDDEN, D_OUT)).double()
 
 
+class _SkipsALayer(nn.Module):
+    """tiny64's layers plus one the forward never uses (an unused head, a skipped branch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = tiny64()
+        self.unused = nn.Linear(D_IN, D_OUT).double()
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def skips_a_layer() -> nn.Module:
+    return _SkipsALayer()
+
+
 def tiny32() -> nn.Module:
     return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, D_OUT))
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -125,3 +126,28 @@ def test_a_sample_that_is_not_a_pair_is_a_one_line_error(tmp_path):
     assert r.returncode == 2 and len(err) == 1, r.stderr[-2000:]
     assert "a training sample must be an (input, target) pair, got a dict with keys " \
            "['input_ids', 'labels']" in err[0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_a_model_that_skips_a_layer_needs_find_unused_parameters(tmp_path, strategy):
+    """Without the flag: one line naming the parameter and the flag, no traceback; with
+    it: trains, and the skipped layer is never stepped (AdamW would move it)."""
+    args = ["--model", "tests.train.factories:skips_a_layer", "--data",
+            "tests.train.factories:regression64", "--optimizer", "adamw", "--global-batch", "12",
+            "--micro-batch", "3", "--steps", "3", "--eval-every", "0", "--timeout", "60",
+            "--no-report", "--strategy", strategy]
+    r = run_cli(*args, "--out", str(tmp_path / "refused"))
+    assert r.returncode == 1
+    assert "'unused.weight'" in r.stderr and "--find-unused-parameters" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert "once the cause is fixed, the same command starts again" in r.stderr
+    r = run_cli(*args, "--find-unused-parameters", "--out", str(tmp_path / "ok"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    from tests.train.factories import skips_a_layer
+
+    torch.manual_seed(0)
+    fresh = skips_a_layer().state_dict()
+    saved = torch.load(tmp_path / "ok" / "checkpoint.pt", weights_only=False)["model"]
+    assert torch.equal(saved["unused.weight"], fresh["unused.weight"])
+    assert not torch.equal(saved["body.0.weight"], fresh["body.0.weight"])

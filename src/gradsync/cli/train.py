@@ -29,7 +29,8 @@ multi-node (same flags, launched by torchrun on every node):
 """
 
 # errors whose message says it all: printed first, without their traceback
-_PLAIN = ("NonFiniteError", "StorageError", "InjectedFault")
+_PLAIN = ("NonFiniteError", "StorageError", "InjectedFault", "UnusedParametersError",
+          "ReplicaMismatchError")
 
 
 def register(sub, help_line: str) -> argparse.ArgumentParser:
@@ -68,8 +69,9 @@ def continue_command(cfg) -> str:
     return "gradsync " + shlex.join(keep)
 
 
-def _where(cfg) -> str:
-    """Where the run stands: the last complete checkpoint, if any."""
+def _where(cfg, failed: bool = False) -> str:
+    """Where the run stands: the last complete checkpoint, if any (after a failure, the
+    command continues once its cause is fixed: rerunning a model error repeats it)."""
     from ..rundir import CHECKPOINT
     from ..train.checkpoint import read_header
 
@@ -78,10 +80,11 @@ def _where(cfg) -> str:
         header = read_header(ckpt)
     except UsageError:
         header = None
+    fixed = "once the cause is fixed, " if failed else ""
     if header is None:
-        return "no checkpoint had been written yet; the same command starts again"
+        return f"no checkpoint had been written yet; {fixed}the same command starts again"
     return (f"the last complete checkpoint ({ckpt}, step {header['step']}) is intact; "
-            f"continue from step {header['step']} with: {continue_command(cfg)}")
+            f"{fixed}continue from step {header['step']} with: {continue_command(cfg)}")
 
 
 def baseline_config(cfg):
@@ -130,7 +133,7 @@ def _report_failure(cfg, err: WorkerFailedError) -> None:
         print(f"gradsync train: error: {m.group(3)} (worker rank {m.group(1)})", file=sys.stderr)
     else:
         print(f"gradsync train: error: {err}", file=sys.stderr)
-    print(f"gradsync train: {_where(cfg)}", file=sys.stderr)
+    print(f"gradsync train: {_where(cfg, failed=True)}", file=sys.stderr)
 
 
 def run(args) -> int:

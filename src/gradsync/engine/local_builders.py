@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UsageError
 from .compress import CompressedBuckets, parse_compression
 from .diloco import DiLoCo
 from .local_strategy import LocalModel, LocalUpdateStrategy

@@ -226,7 +226,7 @@ def default_wrap(module: nn.Module) -> set[type] | None:
 
 
 def _ddp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=None,
-         **opt_kwargs):
+         find_unused_parameters=False, **opt_kwargs):
     sync = sync or SyncOptions()
     sync.check_precision(precision)
     if sync.method != "exact":
@@ -238,7 +238,8 @@ def _ddp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=No
         from .local_builders import compressed_reduction
         reduction = compressed_reduction(sync, mp)
     model = DataParallel(module, group=group, bucket_cap_mb=bucket_cap_mb,
-                         collectives=sync.collectives, reduction=reduction)
+                         collectives=sync.collectives, reduction=reduction,
+                         find_unused_parameters=find_unused_parameters)
     if mp is not None:
         opt = MixedPrecisionOptimizer(model, optimizer_class, mp, **opt_kwargs)
     else:
@@ -259,10 +260,11 @@ def _exact_only(name: str, sync) -> SyncOptions:
 
 def _zero(stage: int):
     def build(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=None,
-              **opt_kwargs):
+              find_unused_parameters=False, **opt_kwargs):
         sync = _exact_only(f"zero{stage}", sync)
         model = DataParallel(module, group=group, bucket_cap_mb=bucket_cap_mb,
-                             collectives=sync.collectives)
+                             collectives=sync.collectives,
+                             find_unused_parameters=find_unused_parameters)
         opt = ZeroOptimizer(model, optimizer_class, stage=stage,
                             mixed_precision=parse_precision(precision), **opt_kwargs)
         return ZeroStrategy(f"zero{stage}", precision, model, opt)
@@ -270,14 +272,15 @@ def _zero(stage: int):
 
 
 def _fsdp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=None,
-          **opt_kwargs):
+          find_unused_parameters=False, **opt_kwargs):
     sync = _exact_only("zero3", sync)
     if sync.collectives not in ("native", "hierarchical"):
         raise UsageError(f"--strategy zero3 takes --collectives native or hierarchical "
                          f"(hybrid sharding), not {sync.collectives}")
     model = FullyShardedDataParallel(module, wrap=wrap or default_wrap(module),
                                      mixed_precision=parse_precision(precision), group=group,
-                                     hybrid=sync.collectives == "hierarchical")
+                                     hybrid=sync.collectives == "hierarchical",
+                                     find_unused_parameters=find_unused_parameters)
     return FullyShardedStrategy("zero3", precision, model,
                                 optimizer_class(model.parameters(), **opt_kwargs))
 
@@ -303,15 +306,16 @@ def register_strategy(name: str, builder: StrategyBuilder, fixed_buckets: bool =
 def build_strategy(module: nn.Module, strategy: str, precision: str, optimizer_class,
                    bucket_cap_mb: float | str = 25.0, wrap=None, group=None,
                    bucket_mb: float | str | None = None, sync: SyncOptions | None = None,
-                   **opt_kwargs) -> Strategy:
+                   find_unused_parameters: bool = False, **opt_kwargs) -> Strategy:
     """Wrap ``module`` and build its optimizer; returns a :class:`Strategy`.
 
     strategy: a name in :data:`STRATEGIES` (``ddp`` | ``zero1`` | ``zero2`` | ``zero3``);
     precision: ``fp32`` | ``bf16``. ``bucket_cap_mb`` is the gradient bucket cap
     (DDP, ZeRO-1/2; ``bucket_mb`` is an older spelling of it); ``wrap`` the stage-3
     units; ``sync`` how gradients travel (:class:`SyncOptions`: exact by default;
-    compression, local updates, hierarchical collectives); ``opt_kwargs`` go to
-    ``optimizer_class``.
+    compression, local updates, hierarchical collectives); ``find_unused_parameters``
+    as DataParallel's (passed to a builder only when set, so a registered builder
+    without it keeps working); ``opt_kwargs`` go to ``optimizer_class``.
     """
     if strategy not in STRATEGIES:
         raise UsageError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -320,6 +324,8 @@ def build_strategy(module: nn.Module, strategy: str, precision: str, optimizer_c
         bucket_cap_mb = bucket_mb
     if sync is not None:
         opt_kwargs["sync"] = sync
+    if find_unused_parameters:
+        opt_kwargs["find_unused_parameters"] = True
     return STRATEGIES[strategy](module, precision, optimizer_class, bucket_cap_mb, wrap,
                                 group, **opt_kwargs)
 

@@ -273,8 +273,9 @@ class SyncedModule(SyncProtocol, nn.Module):
             raise UnusedParametersError(
                 f"rank {self.rank}: {len(missing)} parameter(s) received no gradient in this "
                 f"synchronised backward: {listed}. Make every parameter take part in the loss, "
-                "freeze them (requires_grad=False), or pass find_unused_parameters=True: a "
-                "parameter no rank used then keeps its .grad (None) as in torch DDP")
+                "freeze them (requires_grad=False), or pass find_unused_parameters=True "
+                "(gradsync train --find-unused-parameters): a parameter no rank used then "
+                "keeps its .grad (None) as in torch DDP")
         try:
             divisor = self._window.close(collected.header)
         except UsageError:

@@ -71,6 +71,7 @@ class TrainConfig:
     sync_alpha: float = field(default=0.5, metadata={"help": "streaming-diloco: weight of the local parameters when a synced fragment is merged"})
     outer_lr: float = field(default=0.7, metadata={"help": "learning rate of diloco's outer SGD (Nesterov momentum --outer-momentum)"})
     outer_momentum: float = field(default=0.9, metadata={"help": "momentum of diloco's outer SGD (0 and --outer-lr 1: Local SGD, plain parameter averaging)"})
+    find_unused_parameters: bool = field(default=False, metadata={"help": "allow parameters that get no gradient in a step (a layer the model skips), as torch DDP's find_unused_parameters: one no worker used keeps .grad None and is not stepped (costs one small all-reduce a step); without it such a parameter stops the run, naming it"})
     compress: str = field(default="none", metadata={"help": "gradient compression, spending exactness on purpose: none, bf16, fp16, powersgd:R (error feedback), int8 (blockwise, error feedback); with diloco: the pseudo-gradient (bf16, fp16, int8)"})
     collectives: str = field(default="native", metadata={"help": "how gradients are summed: native (the backend's all-reduce), hierarchical (inside each host first, then across hosts: for hosts joined by a slow link; zero3 becomes hybrid sharding), ring, tree or server (reference algorithms)", "choices": COLLECTIVES})
     probe_every: int = field(default=25, metadata={"help": "with --compress: every N steps also sum the exact gradient once and record the compressed one's cosine and relative error (0: never)"})

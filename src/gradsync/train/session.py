@@ -178,6 +178,7 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
     strategy = build_strategy(task.model.to(info.device), cfg.strategy, cfg.precision,
                               task.optimizer_class, bucket_cap_mb=cfg.bucket_cap_mb,
                               sync=cfg.sync_options(),
+                              find_unused_parameters=cfg.find_unused_parameters,
                               **task.optimizer_kwargs)
     sched = torch.optim.lr_scheduler.LambdaLR(strategy.optimizer, lambda s: lr_factor(s, cfg))
     sess = Session(cfg, rank, world, info.device, info.backend, accum, task, strategy,
