@@ -7,16 +7,21 @@ momentum). A ``module:factory`` names a function returning an ``nn.Module``; its
 batch comes from the module's ``example_batch(micro_batch, seq_len)`` method if it
 has one, otherwise from its first parameterised layer (``nn.Linear`` -> random
 features, ``nn.Embedding`` -> random token ids), and its loss is the mean square
-of the output (any scalar works: only time is measured). It is rebuilt from the
-spec string inside each worker, so only the string crosses process boundaries.
+of the output's logits (any scalar works: only time is measured); the logits are
+read as ``gradsync train``'s default loss reads them, so Hugging Face
+transformers models (whose forward returns a ``ModelOutput``) work as they are.
+If the model's first forward fails on that batch (e.g. ``--seq-len`` longer than
+its position table) the error is a one-line UsageError naming the input shape.
+It is rebuilt from the spec string inside each worker, so only the string
+crosses process boundaries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from ..errors import GradsyncError, UsageError
 from ..plan.memory import load_factory
 
 BUILTIN = ("gpt", "mlp")
@@ -59,6 +64,57 @@ def _example_batch(model, micro_batch: int, seq_len: int):
             return torch.randint(0, m.num_embeddings, (micro_batch, seq_len))
     raise UsageError(f"cannot tell the input shape of {type(model).__name__}: give it an "
                      "example_batch(micro_batch, seq_len) method")
+
+
+def output_logits(output):
+    """The tensor the generic loss reads from a model's output.
+
+    Mirrors ``gradsync train``'s default loss (``gradsync.train.task._logits``),
+    implemented here so the engine does not import train's machinery: a Mapping
+    (a transformers ``ModelOutput`` is one) through its ``"logits"``, an object
+    with a ``logits`` attribute through it, a tuple or list through its first
+    element, anything else as it is. A Mapping without ``"logits"`` (e.g. a base
+    model's ``last_hidden_state`` output) gives its first value, as
+    ``ModelOutput.to_tuple()[0]`` would.
+    """
+    if isinstance(output, Mapping):
+        if "logits" in output:
+            return output["logits"]
+        for value in output.values():
+            return value
+        raise UsageError("the model returned an empty mapping; calibration needs a tensor")
+    if hasattr(output, "logits"):
+        return output.logits
+    if isinstance(output, (tuple, list)):
+        if not output:
+            raise UsageError("the model returned an empty sequence; calibration needs a tensor")
+        return output[0]
+    return output
+
+
+def describe_batch(batch) -> str:
+    """Shapes of a calibration batch, e.g. ``8x128 int64`` or ``(8x16 float32, 8x16 int64)``."""
+    def one(x):
+        shape = getattr(x, "shape", None)
+        if shape is None:
+            return type(x).__name__
+        dtype = str(getattr(x, "dtype", "")).replace("torch.", "")
+        return " ".join(filter(None, ["x".join(str(d) for d in shape) or "scalar", dtype]))
+
+    if isinstance(batch, Mapping):
+        return "{" + ", ".join(f"{k}: {one(v)}" for k, v in batch.items()) + "}"
+    if isinstance(batch, (tuple, list)):
+        return "(" + ", ".join(one(x) for x in batch) + ")"
+    return one(batch)
+
+
+def first_forward_error(spec: str, batch, seq_len: int, error: BaseException) -> UsageError:
+    """The one-line UsageError for a user model that fails on its calibration batch."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    detail = f"{type(error).__name__}: {lines[-1]}" if lines else type(error).__name__
+    return UsageError(f"{spec} failed on the calibration input (shape {describe_batch(batch)}, "
+                      f"--seq-len {seq_len}); if the model takes fewer positions, pass a "
+                      f"smaller --seq-len (or give it an example_batch method): {detail}")
 
 
 def build_workload(spec: str, micro_batch: int | None = None, seq_len: int | None = None,
@@ -107,9 +163,20 @@ def build_workload(spec: str, micro_batch: int | None = None, seq_len: int | Non
     batch = _example_batch(model, mb, seq)
     args = batch if isinstance(batch, tuple) else (batch,)
 
+    checked = False
+
     def generic_loss(m):
-        out = m(*args)
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        return out.float().square().mean()
+        nonlocal checked
+        if checked:
+            out = m(*args)
+        else:  # the first forward on the user's model: a failure here is bad input
+            try:
+                out = m(*args)
+            except GradsyncError:
+                raise
+            except Exception as e:
+                raise first_forward_error(spec, batch, seq, e) from None
+            checked = True
+        return output_logits(out).float().square().mean()
 
     return Workload(spec, model, generic_loss, lambda p: torch.optim.SGD(p, lr=1e-3), mb, seq)

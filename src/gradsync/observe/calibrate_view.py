@@ -36,8 +36,11 @@ def fit_table(coll: CollectiveCalibration) -> Table:
 
 def backward_table(cal: Calibration, top: int = 5) -> Table:
     s, c, prof = cal.single, cal.contended, cal.profile
-    t = Table(title=f"{cal.spec}: {len(prof.params)} parameters, "
-                    f"{fmt_bytes(sum(p.numel * p.itemsize for p in prof.params))} of gradients")
+    from rich.text import Text  # a plain Text: "pm:llama:" is a name, not an emoji code
+
+    t = Table(title=Text(f"{cal.spec}: {len(prof.params)} parameters, "
+                         f"{fmt_bytes(sum(p.numel * p.itemsize for p in prof.params))} "
+                         "of gradients", style="italic"))
     for col in ("", "forward", "backward", "optimizer", "step (no comm)"):
         t.add_column(col, justify="left" if not col else "right")
 
