@@ -20,7 +20,8 @@ examples:
   gradsync calibrate --model mypkg.models:build --micro-batch 16
   gradsync simulate --profile profile.json --sweep-png sweep.png
 A module:factory model gets its batch from an example_batch(micro_batch, seq_len)
-method, else from its first Linear/Embedding layer; its loss is mean(logits^2) (a transformers ModelOutput is read through .logits).
+method, else from its first Linear/Embedding layer; its loss is mean(logits^2)
+(a transformers ModelOutput is read through .logits).
 Hosts of several ranks have two links (inside a host, between hosts): measure them
 separately with `gradsync netlab calibrate` (emulated hosts) or
 `torchrun ... -m gradsync.calibrate.links` (real ones); see docs/netlab.md."""
