@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .. import dist as gdist
 from ..errors import UsageError, WorkerFailedError
-from ..factory import factory_name, is_factory_spec
+from ..factory import check_factory, factory_name, is_factory_spec
 from ..rundir import CHECKPOINT
 from . import state
 from .checkpoint import read_header, verify
@@ -107,6 +107,9 @@ def _config(config, model, data, overrides: dict) -> tuple[TrainConfig, object, 
         config = dataclasses.replace(config, **overrides)
     model_fn = data_fn = None
     changes = {}
+    for what, given in (("model", model), ("data", data)):
+        if given is not None and not isinstance(given, str):
+            check_factory(given, what)
     if model is not None:
         if isinstance(model, str) and not is_factory_spec(model):
             changes["model"] = model
