@@ -146,6 +146,11 @@ def load(sess) -> int:
     sess.sched.load_state_dict(state["scheduler"])
     _follow_current_lr(sess.sched, base)
     if state.get("sampler") is not None:
+        was, now = state["sampler"].get("dataset_len"), sess.sampler.dataset_len
+        if was != now:
+            raise UsageError(f"{cfg.out} holds a checkpoint of a run on {was} training "
+                             f"samples; --data {cfg.data} now gives {now}: continue it on the "
+                             "same data, or choose another --out")
         sess.sampler.load_state_dict(state["sampler"])
     else:  # an older checkpoint: every worker's DistributedSampler position
         sess.sampler.load_state_dict(StepSampler.from_rank_states(state["samplers"],

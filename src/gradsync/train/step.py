@@ -126,8 +126,9 @@ def run_step(sess: Session, step: int) -> StepRecord:
         where = (f"the last checkpoint (step {last}) is intact" if last else
                  "no checkpoint had been written yet")
         raise NonFiniteError(f"{problem}; stopped before the optimizer update, so no checkpoint "
-                             f"holds it and {where}. Lower --lr (or pass --on-nonfinite "
-                             "skip-step), then run the same command again to continue")
+                             f"holds it and {where}. If the loss was finite before, lower "
+                             "--lr; else look for NaN/inf in the data or the model (or pass "
+                             "--on-nonfinite skip-step), then run the same command again")
     return rec
 
 
