@@ -143,7 +143,7 @@ def maybe_evaluate(sess: Session, step: int) -> float | None:
 
 
 @torch.no_grad()
-def evaluate(sess: Session) -> float:
+def evaluate(sess: Session) -> float | None:
     """The exact mean loss over the whole held-out set, the same number on every rank.
 
     Rank ``r`` takes samples ``r, r + K, ...``, a training step's share at a time
@@ -172,4 +172,4 @@ def evaluate(sess: Session) -> float:
         model.train(was_training)
     total = total.to(sess.device)
     comm.all_reduce(total, tag="eval_loss")
-    return float(total[0] / total[1])
+    return float(total[0] / total[1]) if total[1] > 0 else None  # None: no held-out items
