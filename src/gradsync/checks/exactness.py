@@ -4,8 +4,9 @@ The worked example, run on real processes: a two-layer tanh regressor,
 N=4096, d=16, H=32, K=8 workers, 200 full-batch SGD steps, lr 0.02, float64.
 Expected: drift across replicas exactly 0, gap to the single process at machine
 epsilon, final loss 0.179049 for both. A second run gives replica 0 half the data
-and splits the rest among the other K-1 (uneven shards): the average of per-rank means
-(plain ``loss.backward()``) is then off, ``num_items`` weighting is not.
+and splits the rest among the other K-1 (three quarters when K=2; uneven shards):
+the average of per-rank means (plain ``loss.backward()``) is then off, ``num_items``
+weighting is not.
 """
 
 from __future__ import annotations
@@ -64,11 +65,12 @@ def even_shards(n: int, k: int) -> list[np.ndarray]:
 
 
 def uneven_shards(n: int, k: int) -> list[np.ndarray]:
-    """Replica 0 gets half the data, the others split the rest (uneven shards)."""
+    """Replica 0 gets half the data, the others split the rest (uneven shards); with
+    two replicas, three quarters (half would be even)."""
     if k == 1:
         return [np.arange(n)]
-    half = n // 2
-    return [np.arange(half)] + np.array_split(np.arange(half, n), k - 1)
+    first = n * 3 // 4 if k == 2 else n // 2
+    return [np.arange(first)] + np.array_split(np.arange(first, n), k - 1)
 
 
 def _loss(model, x, y):
