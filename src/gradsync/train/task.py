@@ -16,8 +16,9 @@ The factories' contracts (also in the README and ``examples/``):
 * data factory: ``factory() -> Dataset | TrainData``, no arguments. A plain
   map-style Dataset yields ``(input, target)`` pairs; the loss is then
   cross-entropy over the last dimension when targets are integers (items = target
-  elements other than -100, i.e. tokens; -100 marks padding, as in
-  ``F.cross_entropy`` and transformers) and mean squared error otherwise (items =
+  elements other than -100; -100 marks padding, as in ``F.cross_entropy`` and
+  transformers; throughput names them tokens when a sample's target is a sequence,
+  samples when it is one class label) and mean squared error otherwise (items =
   samples). A :class:`TrainData` says it all explicitly and may carry a held-out set.
 * inputs: a tensor is passed as ``model(input)``; a dict (``{"input_ids": ...,
   "attention_mask": ...}``) as ``model(**input)``. Samples are batched with torch's
@@ -145,7 +146,9 @@ def complete(data: TrainData | Dataset) -> TrainData:
         integer = not torch.is_floating_point(y)
         data.loss_fn = data.loss_fn or (_lm_loss if integer else _mse_loss)
         data.items_fn = data.items_fn or (_token_items if integer else _sample_items)
-        data.item_name = data.item_name or ("tokens" if integer else "samples")
+        # integer targets, one per sample (classification): the items are samples;
+        # a sequence of them per sample (language modelling): tokens
+        data.item_name = data.item_name or ("tokens" if integer and y.dim() > 1 else "samples")
     data.collate_fn = collate
     return data
 
