@@ -99,3 +99,12 @@ def test_workers_see_the_callers_environment_at_each_launch(monkeypatch):
     monkeypatch.setenv("RANK", "99")
     assert gs.spawn(_env, 2, "GRADSYNC_TEST_VALUE") == [("after-first-launch", "0"),
                                                         ("after-first-launch", "1")]
+
+
+def _sigint_handler_is_pythons_default():
+    return signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_workers_raise_keyboard_interrupt_on_sigint_like_any_python_process():
+    """The forkserver is started with SIGINT ignored; its workers must not inherit that."""
+    assert gs.spawn(_sigint_handler_is_pythons_default, 2) == [True, True]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.forkserver as forkserver
 import os
 import re
 import signal
@@ -42,15 +43,35 @@ _preloaded = False
 
 # Imported once in the forkserver, so each worker forks with them loaded. torch._dynamo
 # is what torch.optim.Optimizer.__init__ imports on first use: measured 2-8 s per worker
-# on this 2-core machine under load, every launch, when left to the workers.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "gradsync.launch"]
+# on this 2-core machine under load, every launch, when left to the workers. SIGINT is
+# quiet around them (gradsync.forkserver): a Ctrl-C there printed torch's import traceback.
+_PRELOAD = ["gradsync.forkserver.exit_on_sigint", "torch", "torch.distributed", "torch._dynamo",
+            "gradsync.launch", "gradsync.forkserver.restore_sigint"]
 
 
-def _preload_forkserver() -> None:
+def _start_forkserver() -> None:
+    """Start (or restart) the workers' forkserver with Ctrl-C kept from its startup.
+
+    The forkserver runs in the caller's process group, so a terminal's Ctrl-C
+    reaches it. Started with SIGINT ignored (inherited across exec), its
+    interpreter startup cannot print a KeyboardInterrupt traceback; its first
+    preload module then makes a SIGINT during the imports a quiet exit and its
+    last gives workers the default handler (``gradsync.forkserver``). The caller
+    ignores SIGINT only for the fork+exec itself, and only from the main thread,
+    where handlers live.
+    """
     global _preloaded
     if not _preloaded:
         multiprocessing.set_forkserver_preload(_PRELOAD)
         _preloaded = True
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _record_and_die(exc: BaseException) -> None:
@@ -154,14 +175,24 @@ def describe_failures(err: ChildFailedError) -> WorkerFailedError:
 
 @contextlib.contextmanager
 def _quiet_elastic():
-    """Elastic logs every failure at ERROR level; our exception says it once, clearly."""
-    logger = logging.getLogger("torch.distributed.elastic")
-    previous = logger.level
-    logger.setLevel(logging.CRITICAL)
+    """Elastic logs every failure at ERROR level; our exception says it once, clearly.
+
+    Each elastic module's logger has its own level (``get_logger`` sets it), so
+    raising the parent's alone lets them through: every one is raised, and
+    ``torch.multiprocessing.spawn``'s, which announces each SIGTERM the agent sends.
+    """
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing.spawn")
+    loggers = [logging.getLogger(p) for p in prefixes] + [
+        logger for name, logger in logging.root.manager.loggerDict.items()
+        if name.startswith(tuple(p + "." for p in prefixes)) and isinstance(logger, logging.Logger)]
+    previous = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(previous)
+        for logger, level in zip(loggers, previous):
+            logger.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -193,7 +224,7 @@ def launch(fn: Callable, nproc: int, args: tuple = (), *, backend: str | None = 
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise UsageError(f"number of worker processes must be an integer >= 1, got {nproc!r}")
     gdist.resolve_backend(backend)
-    _preload_forkserver()
+    _start_forkserver()
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint,

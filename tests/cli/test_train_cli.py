@@ -113,6 +113,73 @@ def test_ctrl_c_keeps_last_checkpoint_and_leaves_no_temporary_files(tmp_path):
     assert not list(out.glob(".tmp-*"))
 
 
+def _forkserver_of(session: int) -> int | None:
+    """The pid of the multiprocessing forkserver in this process session, if it exists yet."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            if b"multiprocessing.forkserver import main" in cmd and os.getsid(int(pid)) == session:
+                return int(pid)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            pass
+    return None
+
+
+def _has_loaded_torch(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch_cpu" in f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.parametrize("moment", ["interpreter startup", "importing torch"])
+def test_ctrl_c_while_workers_start_is_one_line_and_leaves_no_process(moment, tmp_path):
+    """Ctrl-C while the forkserver starts or imports torch: no traceback from it, nothing left."""
+    proc = subprocess.Popen([*CLI, "train", *FAST, "--out", str(tmp_path / "run")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while (pid := _forkserver_of(proc.pid)) is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert pid is not None, "no forkserver started"
+        while moment == "importing torch" and not _has_loaded_torch(pid):
+            assert time.monotonic() < deadline, "the forkserver never loaded torch"
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "interrupted" in err
+    deadline = time.monotonic() + 30
+    while _forkserver_of(proc.pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _forkserver_of(proc.pid) is None, "the forkserver outlived the launcher"
+
+
+def test_ctrl_c_while_the_cli_imports_torch_is_one_line(tmp_path):
+    proc = subprocess.Popen([*CLI, "train", *FAST, "--out", str(tmp_path / "run")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _has_loaded_torch(proc.pid):
+            assert time.monotonic() < deadline, "the CLI never loaded torch"
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err, err
+
+
 @pytest.mark.parametrize("args,expect", [
     (["--global-batch", "30", "--micro-batch", "8"], "not a multiple"),
     (["--workers", "2", "--data", "random-tokens", "--seq-len", "1500000"],

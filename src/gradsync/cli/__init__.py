@@ -43,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:  # building the parser imports torch: seconds in which Ctrl-C may come
+        parser = build_parser()
+    except KeyboardInterrupt:
+        print("gradsync: interrupted", file=sys.stderr)
+        return 130
     args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)
