@@ -147,6 +147,9 @@ class DataParallel(BucketAccess, SyncedModule):
     def _optimizer_pieces(self):
         return list(zip(self._names, self._params))
 
+    def _shards_state(self) -> bool:
+        return self._reduction.owns_shards
+
     def _trainable(self) -> list[bool]:
         return [p.requires_grad for p in self._params]
 

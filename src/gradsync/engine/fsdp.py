@@ -187,6 +187,9 @@ class FullyShardedDataParallel(SyncedModule):
         return [(name[id(u), s.param] if u.view.segments else None, t)
                 for u in self._units for t, s in zip(u.view.tensors, u.view.segments or [None])]
 
+    def _shards_state(self) -> bool:
+        return True
+
     def _trainable(self) -> list[bool]:
         return [True] * len(self._slots)
 

@@ -45,6 +45,16 @@ class ItemWindow:
         finally:
             self._counted = False
 
+    @contextlib.contextmanager
+    def uncounted_pass(self):
+        """Around a pass that counts neither items nor as a plain pass: a rank whose
+        inputs ran out shadowing the others' backward (``join.py``)."""
+        self._counted = True
+        try:
+            yield
+        finally:
+            self._counted = False
+
     def pass_joined(self) -> None:
         """A parameter joined a backward; outside :meth:`item_pass` it is a plain
         ``loss.backward()``. Counted at the first parameter, not when the pass began: a
@@ -77,8 +87,11 @@ class ItemWindow:
                   float(self.item_passes), float(self.plain_passes))
         slots.copy_(torch.tensor(values, dtype=torch.float64))
 
-    def close(self, summed: torch.Tensor) -> float:
+    def close(self, summed: torch.Tensor, plain_divisor: float | None = None) -> float:
         """The divisor from the header summed over ranks; starts a new window.
+
+        ``plain_divisor``: what plain ``loss.backward()`` windows divide by (default the
+        world size, DDP's convention; ``join.py`` may say the active ranks).
 
         Raises on every rank alike for a window that mixed both kinds of backward or
         whose global batch holds no items.
@@ -98,7 +111,7 @@ class ItemWindow:
                 raise UsageError("the global batch holds no items (num_items summed to 0 over all "
                                  "ranks and micro-steps); the mean loss is undefined")
             return items
-        return float(self.world_size)
+        return float(self.world_size if plain_divisor is None else plain_divisor)
 
 
 def as_count(num_items) -> float:

@@ -40,6 +40,7 @@ class BucketReduction:
     """
 
     piggyback = False
+    owns_shards = False  # keeps state no other rank holds (ZeRO): join() needs its step
     exact_sum = False  # sums exactly (whole numbers survive): slots may ride in buckets
 
     def attach(self, dp) -> None:

@@ -35,6 +35,8 @@ only intended difference is the divisor (the global item count with
 5. A rank with no data joins with ``backward(loss_or_None, num_items=0)``, whether
    it ran the forward or not; it replays the collectives with zeros and counts
    as "not used" for rule 1.
+6. Ranks whose inputs run out at different iterations: ``with model.join(...)``
+   (torch DDP's); a rank that left shadows the others (``join.py``).
 """
 
 from __future__ import annotations
@@ -48,11 +50,12 @@ from torch import nn
 from ..errors import UnusedParametersError, UsageError
 from . import comm, tracing
 from .item_window import HEADER_SLOTS, ItemWindow, as_count
+from .join import Join, JoinShadow
 from .replicas import broadcast_tensors, comm_device
 from .sync_protocol import SyncProtocol, tensors_in
 
 
-class SyncedModule(SyncProtocol, nn.Module):
+class SyncedModule(JoinShadow, SyncProtocol, nn.Module):
     """The shared core of DataParallel and FullyShardedDataParallel (see module docstring)."""
 
     def __init__(self, module: nn.Module, group, find_unused_parameters: bool,
@@ -81,6 +84,7 @@ class SyncedModule(SyncProtocol, nn.Module):
         self._header_buf = torch.zeros(HEADER_SLOTS, dtype=torch.float64,
                                        device=comm_device(group))
         self._header_pending: comm.Pending | None = None
+        self._join_state: Join | None = None  # the open join() context
 
     # ------------------------------------------------------------ small collectives
     def _launch_header(self, group) -> None:
@@ -108,6 +112,8 @@ class SyncedModule(SyncProtocol, nn.Module):
         tracer = tracing.ACTIVE
         t0 = tracing.now() if tracer is not None else 0.0
         grad_on = torch.is_grad_enabled()
+        if self._join_state is not None:
+            self._join_state.notify(grad_on, self._require_sync, self._buffers_due)
         self._sync_buffers()
         if grad_on and not self._in_pass:
             self._forward_sync = self._require_sync
@@ -126,8 +132,9 @@ class SyncedModule(SyncProtocol, nn.Module):
         """Rule 4: rank 0's buffers, when DDP would broadcast them (before this forward)."""
         if self._buffers_due and self.broadcast_buffers and self.world_size > 1:
             buffers = self._synced_buffers()
-            if buffers:
-                broadcast_tensors(buffers, self.group, tag="buffers")
+            if buffers:  # inside join(): from the highest rank with data, as DDP does
+                src = self._join_state.buffer_source if self._join_state is not None else 0
+                broadcast_tensors(buffers, self.group, src_rank=src, tag="buffers")
 
     def _output_hook(self, grad):
         self._start_pass()
@@ -191,6 +198,10 @@ class SyncedModule(SyncProtocol, nn.Module):
             self._forward_sync = self._require_sync
             self._buffers_due = self._require_sync
             self._replay_forward()
+        self._replay_pass()
+
+    def _replay_pass(self) -> None:
+        """This rank's share of a backward's collectives, with zeros and nothing used."""
         self._start_pass(queue=False)
         self._empty = True
         try:
@@ -277,7 +288,8 @@ class SyncedModule(SyncProtocol, nn.Module):
                 "(gradsync train --find-unused-parameters): a parameter no rank used then "
                 "keeps its .grad (None) as in torch DDP")
         try:
-            divisor = self._window.close(collected.header)
+            divisor = self._window.close(collected.header, None if self._join_state is None
+                                         else self._join_state.plain_divisor())
         except UsageError:
             self._sync_reset()
             raise

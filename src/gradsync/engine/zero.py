@@ -125,6 +125,7 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
     """
 
     MAX_INFLIGHT = 3  # stage 2: bucket reductions pending before backward waits
+    owns_shards = True  # a rank whose inputs ran out must keep stepping (join.py)
 
     def __init__(self, model: DataParallel, optimizer_class, stage: int = 1,
                  mixed_precision: MixedPrecision | None = None, collectives: str = "auto",

@@ -1,0 +1,261 @@
+"""Uneven inputs under ``model.join()``: ranks leave their loops at different iterations.
+
+Three ranks hold 3, 8 and 6 micro-batches of different sizes and accumulate two
+micro-batches per step under ``no_sync``, so rank 0 runs out in the middle of an
+accumulation window and ranks 0 and 2 shadow the others' steps. Checked in float64:
+
+* with ``backward(loss, num_items=n)`` and ``join(optimizer=opt)``, every strategy
+  (DataParallel, ZeRO-1, ZeRO-2, stage 3) ends on every rank with exactly the model
+  one process trains when each step is the union of the micro-batches the ranks
+  still hold (1e-12, SGD with momentum), replicas bitwise identical;
+* with plain ``loss.backward()`` and ``join()`` (DDP's form: a rank that left does
+  not step; the last rank to leave is broadcast at the end), a BatchNorm model ends
+  as torch DDP's ``join()`` leaves it, for both ``divide_by_initial_world_size``,
+  after every step on the active ranks and at the end on every rank;
+* ``throw_on_early_termination`` raises on every rank and leaves the group usable;
+  ``enable=False`` costs no collective; what join() cannot shadow is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradsync as gs
+from gradsync.engine import comm
+from tests.helpers import D_IN, D_OUT, job_results, mlp, run_jobs
+
+WORLD, ACCUM, TOL = 3, 2, 1e-12
+MICRO = [3, 8, 6]  # micro-batches per rank: rank 0 runs out inside a window
+DDP_MICRO = [4, 8, 6]  # against torch DDP: every rank runs out at a window's end (see below)
+
+
+def micro_batch(rank: int, k: int):
+    """Rank ``rank``'s ``k``-th micro-batch: 1 to 4 rows, different on every rank."""
+    g = torch.Generator().manual_seed(1000 + 100 * rank + k)
+    n = 1 + (rank + 2 * k) % 4
+    return (torch.randn(n, D_IN, generator=g, dtype=torch.float64),
+            torch.randn(n, D_OUT, generator=g, dtype=torch.float64))
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def reference():
+    """One process: step s is every micro-batch 2s and 2s+1 that any rank holds."""
+    torch.set_num_threads(1)
+    model = mlp()
+    opt = sgd(model.parameters())
+    for s in range(-(-max(MICRO) // ACCUM)):
+        xs, ys = zip(*[micro_batch(r, k) for r in range(WORLD)
+                       for k in range(s * ACCUM, (s + 1) * ACCUM) if k < MICRO[r]])
+        mse(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def exact_job(kind: str):
+    """This rank's loop over its own micro-batches inside join(optimizer=...)."""
+    rank = dist.get_rank()
+    module = mlp()
+    if kind == "fsdp":
+        model = gs.FullyShardedDataParallel(module, wrap={nn.Linear})
+        opt = sgd(model.parameters())
+    else:
+        model = gs.DataParallel(module, bucket_cap_mb=0.0005)
+        opt = (sgd(module.parameters()) if kind == "ddp" else
+               gs.ZeroOptimizer(model, torch.optim.SGD, stage=int(kind[-1]), lr=0.05,
+                                momentum=0.9))
+    with model.join(optimizer=opt):
+        for k in range(MICRO[rank]):
+            x, y = micro_batch(rank, k)
+            last = (k + 1) % ACCUM == 0
+            with contextlib.nullcontext() if last else model.no_sync():
+                model.backward(mse(model(x), y), num_items=len(x))
+            if last:
+                opt.step()
+                opt.zero_grad()
+    state = model.full_state_dict() if kind == "fsdp" else module.state_dict()
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.inp = nn.Linear(D_IN, 8, bias=False)  # a bias before BatchNorm gets 0 + rounding
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, D_OUT)
+        self.double()
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.bn(self.inp(x))))
+
+
+def ddp_parity_job(divide: bool):
+    """The same loop under torch DDP's join() and gradsync's (plain backward, no optimizer
+    for the ranks that left), with a BatchNorm whose buffers move.
+
+    Every rank's data ends at a window's end: a rank that runs out inside one keeps
+    what it accumulated under no_sync in gradsync's next synchronised step (the exact
+    test above), where torch DDP's join hook all-reduces zeros in its place.
+    """
+    rank = dist.get_rank()
+    out = {}
+    for kind in ("torch", "gs"):
+        module = BNNet()
+        model = (nn.parallel.DistributedDataParallel(module) if kind == "torch"
+                 else gs.DataParallel(module, bucket_cap_mb=0.0005))
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1)
+        steps = []
+        with model.join(divide_by_initial_world_size=divide):
+            for k in range(DDP_MICRO[rank]):
+                x, y = micro_batch(rank, k)
+                last = (k + 1) % ACCUM == 0
+                with contextlib.nullcontext() if last else model.no_sync():
+                    mse(model(torch.cat([x, x + 1])), torch.cat([y, y])).backward()
+                if last:
+                    opt.step()
+                    opt.zero_grad()
+                    steps.append({n: p.detach().clone() for n, p in module.named_parameters()})
+        out[kind] = (steps, {n: t.detach().clone() for n, t in module.state_dict().items()})
+    return out
+
+
+def throw_job():
+    """throw_on_early_termination: every rank raises at the first iteration some rank
+    lacks; afterwards the group still works."""
+    rank = dist.get_rank()
+    model = gs.DataParallel(mlp())
+    opt = sgd(model.parameters())
+    seen, error = 0, None
+    try:
+        with model.join(throw_on_early_termination=True, optimizer=opt):
+            for k in range(MICRO[rank]):
+                x, y = micro_batch(rank, k)
+                model.backward(mse(model(x), y), num_items=len(x))
+                opt.step()
+                opt.zero_grad()
+                seen += 1
+    except RuntimeError as e:
+        error = str(e)
+    check = torch.ones(1)
+    dist.all_reduce(check)
+    return seen, error, float(check)
+
+
+def cost_job():
+    """Collectives per step: join(enable=False) adds none; join() adds one small all-reduce
+    per forward (the signal), and nothing else while every rank has data."""
+    model = gs.DataParallel(mlp(), bucket_cap_mb=0.0005)
+    opt = sgd(model.parameters())
+    for k in range(2):  # the bucket rebuild after the first synchronised backward
+        x, y = micro_batch(0, k)
+        model.backward(mse(model(x), y), num_items=len(x))
+    opt.zero_grad()
+    counts = {}
+    for name, ctx in (("plain", contextlib.nullcontext), ("disabled",
+                      lambda: model.join(enable=False, optimizer=opt)),
+                      ("join", lambda: model.join(optimizer=opt))):
+        events = []
+        def seen(phase, e, events=events):
+            if phase == "launch":
+                events.append(e.tag)
+        with comm.add_observer(seen), ctx():
+            for k in range(3):
+                x, y = micro_batch(0, k)
+                model.backward(mse(model(x), y), num_items=len(x))
+                opt.step()
+                opt.zero_grad()
+        counts[name] = events
+    return counts
+
+
+def refusal_job():
+    """What join() cannot shadow, refused on every rank before anything runs."""
+    errors = []
+    model = gs.DataParallel(mlp())
+    zero = gs.ZeroOptimizer(model, torch.optim.SGD, stage=2, lr=0.1)
+    for make in (lambda: model.join(),
+                 lambda: gs.DataParallel(gs.convert_sync_batchnorm(BNNet())).join(),
+                 lambda: gs.DataParallel(mlp()).join(optimizer=42)):
+        try:
+            make()
+        except gs.UsageError as e:
+            errors.append(str(e))
+    del zero
+    return errors
+
+
+JOBS = [(exact_job, ("ddp",)), (exact_job, ("zero1",)), (exact_job, ("zero2",)),
+        (exact_job, ("fsdp",)), (ddp_parity_job, (True,)), (ddp_parity_job, (False,)),
+        (throw_job, ()), (cost_job, ()), (refusal_job, ())]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return gs.spawn(run_jobs, WORLD, JOBS, timeout_s=60)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index,kind", [(0, "ddp"), (1, "zero1"), (2, "zero2"), (3, "fsdp")])
+def test_join_gives_the_exact_mean_over_what_the_active_ranks_hold(results, index, kind):
+    want = reference()
+    per_rank = job_results(results, index)
+    for rank, got in enumerate(per_rank):
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=TOL,
+                                       msg=f"{kind}, rank {rank}, {name}")
+            assert torch.equal(got[name], per_rank[0][name]), (kind, rank, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index,divide", [(4, True), (5, False)])
+def test_join_without_optimizer_matches_torch_ddp_join(results, index, divide):
+    for rank, got in enumerate(job_results(results, index)):
+        (t_steps, t_final), (g_steps, g_final) = got["torch"], got["gs"]
+        assert len(t_steps) == len(g_steps) == DDP_MICRO[rank] // ACCUM
+        for s, (t, g) in enumerate(zip(t_steps, g_steps)):
+            for name in t:
+                torch.testing.assert_close(g[name], t[name], rtol=0, atol=TOL,
+                                           msg=f"rank {rank}, step {s}, {name}")
+        for name in t_final:
+            torch.testing.assert_close(g_final[name], t_final[name], rtol=0, atol=TOL,
+                                       msg=f"rank {rank}, final {name}")
+
+
+@pytest.mark.slow
+def test_throw_on_early_termination_raises_on_every_rank(results):
+    got = job_results(results, 6)
+    shortest = min(MICRO)
+    for rank, (seen, error, check) in enumerate(got):
+        assert seen == shortest, (rank, seen)
+        assert error is not None and "exhausted" in error, (rank, error)
+        assert check == WORLD
+
+
+@pytest.mark.slow
+def test_join_costs_one_small_all_reduce_per_forward_and_nothing_when_disabled(results):
+    counts = job_results(results, 7)[0]
+    assert counts["disabled"] == counts["plain"]
+    assert [t for t in counts["join"] if t != "join"] == counts["plain"]
+    assert counts["join"].count("join") == 3 + 1  # one per forward, one to agree all left
+
+
+@pytest.mark.slow
+def test_join_refuses_what_it_cannot_shadow(results):
+    for errors in job_results(results, 8):
+        assert len(errors) == 3, errors
+        assert "needs optimizer=" in errors[0]
+        assert "SyncBatchNorm" in errors[1] and "num_items=0" in errors[1]
+        assert "takes an optimizer" in errors[2]
