@@ -65,3 +65,55 @@ def test_ddp_keywords_train_the_same_or_say_why_not():
     for res in results:
         for msg, words in zip(res["errors"], expected):
             assert msg is not None and words in msg and "\n" not in msg, (words, msg)
+
+
+def _hooks_job():
+    """torch's built-in comm hooks map to gradsync reductions; the no_sync flag by name."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    from gradsync.engine import comm
+
+    x, y = dataset()
+    out = {}
+    for name, state, hook in (("allreduce", None, default_hooks.allreduce_hook),
+                              ("fp16", None, default_hooks.fp16_compress_hook),
+                              ("bf16", None, default_hooks.bf16_compress_hook),
+                              ("powersgd", psgd.PowerSGDState(
+                                  None, matrix_approximation_rank=2, start_powerSGD_iter=3),
+                               psgd.powerSGD_hook)):
+        model = gs.DataParallel(mlp())
+        model.register_comm_hook(state, hook)
+        red = model._reduction
+        comp = getattr(red, "compressor", None)
+        out[name] = (type(red).__name__, type(comp).__name__, getattr(comp, "name", None),
+                     getattr(comp, "rank", None), getattr(red, "exact_windows", None))
+        model.backward(mse(model(x[:8]), y[:8]), num_items=8)
+        out[name + "_grad"] = next(model.parameters()).grad.clone()
+    try:
+        gs.DataParallel(mlp()).register_comm_hook(None, lambda state, bucket: None)
+        out["custom"] = None
+    except UsageError as e:
+        out["custom"] = str(e)
+    model = gs.DataParallel(mlp())
+    events = []
+    with comm.add_observer(lambda phase, e: events.append(e.tag)):
+        model.require_backward_grad_sync = False
+        model.backward(mse(model(x[:8]), y[:8]), num_items=8)
+        out["flag"] = (model.require_backward_grad_sync, len(events))
+        model.require_backward_grad_sync = True
+        model.backward(mse(model(x[8:16]), y[8:16]), num_items=8)
+        out["flag_after"] = len(events) > 0
+    return out
+
+
+def test_torch_comm_hooks_map_to_gradsync_reductions():
+    res = gs.spawn(_hooks_job, 2, timeout_s=120)[0]
+    assert res["allreduce"] == ("AllReduceBuckets", "NoneType", None, None, None)
+    assert res["fp16"][:3] == ("CompressedBuckets", "HalfPrecisionCompressor", "fp16")
+    assert res["bf16"][:3] == ("CompressedBuckets", "HalfPrecisionCompressor", "bf16")
+    assert res["powersgd"] == ("CompressedBuckets", "PowerSGDCompressor", "powersgd", 2, 3)
+    for name in ("fp16", "bf16", "powersgd"):  # the first window is exact
+        assert torch.equal(res[name + "_grad"], res["allreduce_grad"])
+    assert "not one of torch's built-in hooks" in res["custom"] and "\n" not in res["custom"]
+    assert res["flag"] == (False, 0) and res["flag_after"]

@@ -27,14 +27,14 @@ from .algorithm_buckets import AlgorithmBuckets
 from .autotune import BucketAutotuner
 from .bucket_layout import BucketAccess, BucketLayout, trainable_parameters
 from .bucketing import BucketSpec, mb_to_bytes
-from .ddp_compat import resolve_ddp_keywords
+from .ddp_compat import DDPMethods, resolve_ddp_keywords
 from .reduction import AllReduceBuckets, BucketReduction
 from .replicas import broadcast_module_state, comm_device, verify_same_structure
 from .sync_core import SyncedModule
 from .sync_protocol import Collected
 
 
-class DataParallel(BucketAccess, SyncedModule):
+class DataParallel(DDPMethods, BucketAccess, SyncedModule):
     """Wrap ``module`` for data-parallel training over ``group`` (default: the world).
 
     Args:

@@ -1,4 +1,4 @@
-"""torch DDP's constructor keywords, accepted by DataParallel where they mean something here.
+"""torch DDP's constructor keywords and methods, on DataParallel where they mean something.
 
 A user switching from ``DistributedDataParallel(model, device_ids=[rank],
 process_group=pg, static_graph=True)`` should not have to delete arguments one
@@ -16,7 +16,9 @@ TypeError at a time, nor have one silently mean something else:
   ``find_unused_parameters``).
 * ``init_sync``: True only: rank 0's state is always broadcast at construction.
 
-Anything else is a TypeError, as for any unknown keyword.
+Anything else is a TypeError, as for any unknown keyword. Methods
+(:class:`DDPMethods`): ``register_comm_hook`` with torch's built-in hooks, mapped to
+gradsync's compressors, and the ``require_backward_grad_sync`` flag.
 """
 
 from __future__ import annotations
@@ -68,3 +70,61 @@ def resolve_ddp_keywords(module: torch.nn.Module, group, kwargs: dict):
         raise UsageError("DataParallel: init_sync=False is not supported; rank 0's parameters "
                          "and buffers are always broadcast at construction")
     return group
+
+
+def comm_hook_reduction(state, hook):
+    """torch DDP's built-in communication hooks as the gradsync reduction doing the same.
+
+    ``allreduce_hook``: the default (None); ``fp16_compress_hook`` / ``bf16_compress_hook``:
+    16-bit wire format (``compress.HalfPrecisionCompressor``: a float32 sum in rank
+    order of the rounded inputs, where torch's all-reduce rounds at every hop);
+    ``powerSGD_hook`` with its ``PowerSGDState``: ``compress.PowerSGDCompressor`` with
+    the state's rank, minimum compression rate, error feedback, warm start and epsilon,
+    exact for the state's ``start_powerSGD_iter`` first synchronised steps. Any other
+    hook is a one-line error: gradsync's buckets are not torch ``GradBucket`` objects.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    from .compress import CompressedBuckets, HalfPrecisionCompressor, PowerSGDCompressor
+
+    if hook is default_hooks.allreduce_hook:
+        return None
+    if hook is default_hooks.fp16_compress_hook:
+        return CompressedBuckets(HalfPrecisionCompressor("fp16"))
+    if hook is default_hooks.bf16_compress_hook:
+        return CompressedBuckets(HalfPrecisionCompressor("bf16"))
+    if hook is psgd.powerSGD_hook:
+        if not isinstance(state, psgd.PowerSGDState):
+            raise UsageError("register_comm_hook(state, powerSGD_hook) needs a PowerSGDState, "
+                             f"got {type(state).__name__}")
+        compressor = PowerSGDCompressor(
+            rank=state.matrix_approximation_rank, min_compression_rate=state.min_compression_rate,
+            use_error_feedback=state.use_error_feedback, warm_start=state.warm_start,
+            orthogonalization_epsilon=state.orthogonalization_epsilon)
+        return CompressedBuckets(compressor, exact_windows=max(1, state.start_powerSGD_iter))
+    name = getattr(hook, "__qualname__", repr(hook))
+    raise UsageError(
+        f"register_comm_hook: {name} is not one of torch's built-in hooks gradsync maps "
+        "(allreduce_hook, fp16_compress_hook, bf16_compress_hook, powerSGD_hook); pass "
+        "DataParallel(reduction=gradsync.CompressedBuckets(gradsync.parse_compression(...))) "
+        "or a gradsync.engine.reduction.BucketReduction of your own")
+
+
+class DDPMethods:
+    """torch DDP's methods and attributes that a switching user's code calls."""
+
+    def register_comm_hook(self, state, hook) -> None:
+        """torch DDP's communication hooks, mapped (:func:`comm_hook_reduction`)."""
+        reduction = comm_hook_reduction(state, hook)
+        if reduction is not None:
+            self.set_reduction(reduction)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's flag behind ``no_sync()``; some trainers set it directly."""
+        return self._require_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._require_sync = bool(value)
