@@ -117,3 +117,59 @@ def test_torch_comm_hooks_map_to_gradsync_reductions():
         assert torch.equal(res[name + "_grad"], res["allreduce_grad"])
     assert "not one of torch's built-in hooks" in res["custom"] and "\n" not in res["custom"]
     assert res["flag"] == (False, 0) and res["flag_after"]
+
+
+class _PerRank(torch.nn.Module):
+    """A shared trunk and, ignored by DDP, a per-rank head and a buffer whose shape
+    differs across ranks (state kept in sync by other means, or not at all)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        torch.manual_seed(7)
+        self.trunk = torch.nn.Linear(6, 4).double()
+        torch.manual_seed(100 + rank)
+        self.head = torch.nn.Linear(4, 3).double()
+        self.register_buffer("seen", torch.zeros(rank + 1, dtype=torch.float64))
+
+    def forward(self, x):
+        self.seen += 1
+        return self.head(torch.tanh(self.trunk(x)))
+
+
+def _ignore_job():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x, y = dataset()
+    r = gs.rank()
+    out = {}
+    for kind in ("torch", "gs"):
+        module = _PerRank(r)
+        DDP._set_params_and_buffers_to_ignore_for_model(
+            module, ["head.weight", "head.bias", "seen"])
+        model = DDP(module) if kind == "torch" else gs.DataParallel(module)
+        opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            lo = (step * 2 + r) * 4
+            mse(model(x[lo:lo + 4]), y[lo:lo + 4]).backward()
+            opt.step()
+            opt.zero_grad()
+        out[kind] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    try:
+        module = _PerRank(r)
+        module._ddp_params_and_buffers_to_ignore = ["seen"]
+        gs.FullyShardedDataParallel(module)
+        out["fsdp"] = None
+    except UsageError as e:
+        out["fsdp"] = str(e)
+    return out
+
+
+def test_parameters_and_buffers_ddp_ignores_are_left_alone_as_in_ddp():
+    results = gs.spawn(_ignore_job, 2, timeout_s=120)
+    for res in results:
+        for name, value in res["torch"].items():
+            torch.testing.assert_close(res["gs"][name], value, rtol=0, atol=1e-12, msg=name)
+        assert "shards every parameter" in res["fsdp"]
+    heads = [res["gs"]["head.weight"] for res in results]
+    assert not torch.equal(heads[0], heads[1])  # per rank, never synchronised
+    assert torch.equal(results[0]["gs"]["trunk.weight"], results[1]["gs"]["trunk.weight"])

@@ -27,6 +27,7 @@ from .autotune import AutotuneResult, BucketAutotuner
 from .bucketing import BucketSpec, ParamSpec, mb_to_bytes, plan_buckets
 from .buckets import Bucket
 from .item_window import HEADER_SLOTS
+from .replicas import ignored_names
 
 _EXACT_SUM = ("float32", "float64")
 
@@ -37,7 +38,9 @@ def trainable_parameters(module: torch.nn.Module):
     aliases: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
-    params = [p for p in module.parameters() if p.requires_grad]
+    ignore = ignored_names(module)
+    params = [p for p in module.parameters()
+              if p.requires_grad and not ignore.intersection(aliases[id(p)])]
     names = [" = ".join(aliases[id(p)]) for p in params]
     devices = {p.device for p in params}
     if len(devices) > 1:

@@ -102,6 +102,11 @@ def build_units(module: nn.Module, wrap, world: int, rank: int,
     by two units (tied weights) goes to the root, which is gathered for the whole
     forward. Units come in registration (pre-)order, the root first.
     """
+    ignored = getattr(module, "_ddp_params_and_buffers_to_ignore", ())
+    if ignored:
+        raise UsageError("FullyShardedDataParallel shards every parameter; this module sets "
+                         f"torch DDP's parameters to ignore ({sorted(ignored)[:3]}): use "
+                         "gradsync.DataParallel, which leaves them alone as DDP does")
     if isinstance(wrap, type):
         wrap = (wrap,)
     is_unit = wrap if callable(wrap) and not isinstance(wrap, type) else (

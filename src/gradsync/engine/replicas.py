@@ -30,13 +30,22 @@ def comm_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
-def structure(module: nn.Module) -> list[tuple[str, str, tuple[int, ...], str, bool]]:
+def ignored_names(module: nn.Module) -> frozenset[str]:
+    """Parameters and buffers torch DDP leaves alone, set with
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)``
+    (e.g. state sharded by other means): not checked, broadcast nor synchronised."""
+    return frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
+def structure(module: nn.Module, ignore=frozenset()) -> list[tuple[str, str, tuple[int, ...],
+                                                                  str, bool]]:
     """(kind, name, shape, dtype, requires_grad) of every parameter and buffer, in order."""
     rows = [
         ("param", n, tuple(p.shape), str(p.dtype), p.requires_grad)
-        for n, p in module.named_parameters()
+        for n, p in module.named_parameters() if n not in ignore
     ]
-    rows += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
+    rows += [("buffer", n, tuple(b.shape), str(b.dtype), False)
+             for n, b in module.named_buffers() if n not in ignore]
     return rows
 
 
@@ -68,7 +77,7 @@ def first_mismatch(listings: list[list]) -> str | None:
 
 def verify_same_structure(module: nn.Module, group=None, what: str = "DataParallel") -> None:
     """Raise ReplicaMismatchError on every rank if any rank's model differs."""
-    rows = structure(module)
+    rows = structure(module, ignored_names(module))
     digest = hashlib.sha256(repr(rows).encode()).digest()
     dev = comm_device(group)
     mine = torch.tensor(list(digest), dtype=torch.uint8, device=dev)
@@ -120,5 +129,7 @@ def broadcast_tensors(
 
 def broadcast_module_state(module: nn.Module, group=None, src_rank: int = 0) -> None:
     """Copy ``src_rank``'s parameters and buffers into every other rank's module."""
-    tensors = [p.data for p in module.parameters()] + list(module.buffers())
+    ignore = ignored_names(module)
+    tensors = ([p.data for n, p in module.named_parameters() if n not in ignore]
+               + [b for n, b in module.named_buffers() if n not in ignore])
     broadcast_tensors(tensors, group, src_rank, tag="init-broadcast")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .param_groups import resolve_param_groups
+from .replicas import ignored_names
 
 
 def tensors_in(obj):
@@ -46,7 +47,8 @@ class SyncProtocol:
     """The hooks a :class:`~gradsync.engine.sync_core.SyncedModule` subclass provides."""
 
     def _synced_buffers(self) -> list[torch.Tensor]:
-        return [b for b in self.module.buffers() if b.numel()]
+        ignore = ignored_names(self.module)
+        return [b for n, b in self.module.named_buffers() if b.numel() and n not in ignore]
 
     def _run_forward(self, args, kwargs):
         return self.module(*args, **kwargs)
