@@ -75,7 +75,8 @@ class Trainer:
     """One strategy behind DDP's vocabulary; ``module`` stays the unwrapped model."""
 
     def __init__(self, ctx: Ctx, module: nn.Module, group=None, optimizer=None,
-                 find_unused: bool = False, wrap=None, broadcast_buffers: bool = True):
+                 find_unused: bool = False, wrap=None, broadcast_buffers: bool = True,
+                 static_graph: bool = False):
         import gradsync as gs
 
         self.ctx, self.kind, self.module = ctx, ctx.kind, module
@@ -83,12 +84,14 @@ class Trainer:
         if self.base == "ddp":
             self.model = nn.parallel.DistributedDataParallel(
                 module, process_group=group, find_unused_parameters=find_unused,
-                forward_sync_buffers=broadcast_buffers)  # gradsync also syncs at init
+                forward_sync_buffers=broadcast_buffers,  # gradsync also syncs at init
+                static_graph=static_graph)
         elif self.base in ("gs", "zero1", "zero2"):
             self.model = gs.DataParallel(module, group=group, bucket_cap_mb=BUCKET_MB,
                                          first_bucket_mb=BUCKET_MB,
                                          find_unused_parameters=find_unused,
-                                         broadcast_buffers=broadcast_buffers)
+                                         broadcast_buffers=broadcast_buffers,
+                                         static_graph=static_graph)
         elif self.base == "fsdp":
             self.model = gs.FullyShardedDataParallel(module, wrap=wrap, group=group,
                                                      find_unused_parameters=find_unused,

@@ -47,6 +47,7 @@ import pytest
 import torch
 from torch import nn
 
+from gradsync.errors import UsageError
 from tests.helpers import D_IN, D_OUT, dataset, mlp, mse
 from tests.parity_helpers import Job, Trainer, adamw, failures, sgd, spawn_jobs
 
@@ -427,6 +428,64 @@ def used_twice(ctx, group):
         t.backward(mse(t(xb), yb), len(xb))
         t.step_and_record(rec, step)
     return rec
+
+
+class ReentrantTwice(nn.Module):
+    """test_c10d_common.py test_ddp_checkpointing_twice (static graph): a block under
+    *reentrant* checkpointing, run twice, so each of its parameters receives its
+    gradient twice in one backward (each checkpointed segment runs a backward of its own).
+    """
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(12)
+        self.inp = nn.Linear(D_IN, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, D_OUT)
+        self.double()
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.inp(x))
+        h = checkpoint(self.block, h, use_reentrant=True)
+        h = checkpoint(self.block, torch.tanh(h), use_reentrant=True)
+        return self.head(h)
+
+
+class ReentrantOnce(ReentrantTwice):
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.block, torch.tanh(self.inp(x)), use_reentrant=True))
+
+
+def reentrant_twice(ctx, group, twice=True):
+    """Static graph: the first step counts the arrivals, the next ones overlap again.
+    ``twice=False``: the block once, under reentrant checkpointing; stage 3 makes it a
+    unit of its own."""
+    t = Trainer(ctx, ReentrantTwice() if twice else ReentrantOnce(), group, adamw(),
+                static_graph=twice, wrap={nn.Sequential})
+    x, y = dataset(n=96)
+    rec = {}
+    for step in range(4):
+        xb, yb = rows(x, y, ctx, step)
+        t.backward(mse(t(xb), yb), len(xb))
+        t.step_and_record(rec, step)
+    return rec
+
+
+def reentrant_in_root_unit(ctx, group):
+    """Stage 3 with the checkpointed block inside the root unit: the unit's gradient
+    arrives twice (the block's own backward, then the rest's), which is refused by name."""
+    t = Trainer(ctx, ReentrantOnce(), group, sgd())
+    x, y = dataset(n=96)
+    xb, yb = rows(x, y, ctx, 0)
+    try:
+        t.backward(mse(t(xb), yb), len(xb))
+    except UsageError as e:
+        return {"error": str(e)}
+    return {"error": None}
 
 
 class SparseBag(nn.Module):
@@ -970,6 +1029,22 @@ def test_ported_parameter_used_three_times_under_checkpointing():
     _check("main", "used_twice", ALL_KINDS[1:])
 
 
+def test_ported_reentrant_checkpointing_twice_with_static_graph():
+    """test_c10d_common.py test_ddp_checkpointing_twice: static_graph=True."""
+    _check("main", "reentrant_twice", DP_KINDS[1:] + ("local",))
+
+
+def test_reentrant_checkpointing_once_on_every_strategy():
+    """The block under reentrant checkpointing once; under stage 3 a unit of its own."""
+    _check("main", "reentrant_once", ALL_KINDS[1:])
+
+
+def test_reentrant_checkpointing_inside_a_larger_unit_is_refused_by_name():
+    for rank in _results("main")[("reentrant_in_root_unit", "fsdp")]:
+        assert "received its gradient twice" in rank["error"], rank
+        assert "wrap=" in rank["error"] and "use_reentrant=False" in rank["error"]
+
+
 def test_ported_dict_output_partly_unused_in_loss():
     """test_output_unused_in_loss_dict_module."""
     _check("main", "unused_output", ALL_KINDS[1:])
@@ -1094,6 +1169,9 @@ def _spawn_plan():
         + _jobs("penalty", penalty, ("ddp", "gs", "gs_items", "zero2", "local", "fsdp"))
         + _jobs("shared", shared, DP_KINDS + ("fsdp", "local"))
         + _jobs("used_twice", used_twice, ALL_KINDS)
+        + _jobs("reentrant_twice", reentrant_twice, DP_KINDS + ("local",))
+        + _jobs("reentrant_once", reentrant_twice, ALL_KINDS, twice=False)
+        + _jobs("reentrant_in_root_unit", reentrant_in_root_unit, ("fsdp",))
         + _jobs("unused_output", unused_output, DP_KINDS + ("local",))
         + _jobs("nested", nested, ALL_KINDS)
         + _jobs("control_flow", control_flow, ALL_KINDS)

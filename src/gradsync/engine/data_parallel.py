@@ -24,6 +24,7 @@ from torch import nn
 from ..errors import UsageError
 from . import tracing
 from .algorithm_buckets import AlgorithmBuckets
+from .arrivals import Arrivals
 from .autotune import BucketAutotuner
 from .bucket_layout import BucketAccess, BucketLayout, trainable_parameters
 from .bucketing import BucketSpec, mb_to_bytes
@@ -100,9 +101,8 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
         self._reduction: BucketReduction = reduction or AllReduceBuckets()
         self._reduction.attach(self)
         self.topology = getattr(self._reduction, "topology", None) or topology
-        self._ready: list[bool] = []
+        self._arrivals = Arrivals(self._names, ddp_keywords.get("static_graph", False))
         self._used = [False] * len(self._params)  # over the open window, this rank
-        self._order_log: list[int] | None = None
         self._held: dict[int, torch.Tensor] | None = None  # during an empty rank's pass
         self._pass_t0 = 0.0
         self._install(self._layout.plan())
@@ -132,7 +132,8 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
                              "DataParallel a number for bucket_cap_mb, not 'auto'")
         self._reduction, self._custom_reduction = reduction, True
         reduction.attach(self)
-        self._layout.rebuilt, self._order_log = True, None
+        self._layout.rebuilt = True
+        self._arrivals.abandon()
         self._install(self._layout.plan_in_use)
 
     # ------------------------------------------------------------------ core hooks
@@ -179,15 +180,8 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
                     self._reduction.ensure(bucket)
                     bucket.adopt(slot)
                 self._used[i] = True
-            if not self._syncing:
+            if not self._syncing or not self._arrivals.arrive(i):
                 return
-            if self._ready[i]:
-                raise UsageError(f"parameter {self._names[i]!r} received its gradient twice in one "
-                                 "backward; reentrant activation checkpointing is not supported, "
-                                 "use torch.utils.checkpoint(..., use_reentrant=False)")
-            self._ready[i] = True
-            if self._order_log is not None:
-                self._order_log.append(i)
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._layout.launch_ready(self._reduction, self._window, self._used)
@@ -233,18 +227,16 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
 
     def _sync_open(self) -> None:
         self._reduction.prepare()
-        self._ready = [False] * len(self._params)
+        self._arrivals.open(log_order=not self._layout.rebuilt)
         self._layout.next_launch = 0
         self._pass_t0 = time.perf_counter()
         if not self._layout.header_in_bucket:
             self._launch_header(self.group)
-        if not self._layout.rebuilt:
-            self._order_log = []
 
     def _sync_collect(self) -> Collected:
         self._pass_over()
-        missing = [i for i, ready in enumerate(self._ready) if not ready]
-        for i in missing:  # zero contribution; launch so no peer waits on us
+        missing = self._arrivals.never_arrived()
+        for i in self._arrivals.incomplete():  # launch so no peer waits on us (zeros if missing)
             bucket, slot = self._layout.where(i)
             if not bucket.is_view(slot):
                 self._reduction.ensure(bucket)
@@ -268,10 +260,8 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
         self._reduction.complete(divisor, used)
         for b in self._layout.buckets:
             b.reset()
-        if self._order_log is not None:
-            seen = set(self._order_log)
-            order = self._order_log + [i for i in range(len(self._params)) if i not in seen]
-            self._order_log = None
+        order = self._arrivals.close()
+        if order is not None:
             self._relayout(self._layout.rebuild(order))
         elif self._layout.tuning:
             self._relayout(self._layout.autotune_step(time.perf_counter() - self._pass_t0))
@@ -281,7 +271,7 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
             self._install(specs)
 
     def _sync_reset(self) -> None:
-        self._order_log = None
+        self._arrivals.abandon()
         self._used = [False] * len(self._params)
         self._reduction.reset()
         for b in self._layout.buckets:

@@ -52,7 +52,10 @@ class UnitGatherer:
         if u.gather_pending is not None:
             u.gather_pending.wait()
             u.gather_pending = None
-        views = u.param_views(grad)
+        with torch.enable_grad() if grad else contextlib.nullcontext():
+            # a backward re-gather runs where autograd disabled grad mode; its views must
+            # still lead to ``full`` for a reentrant checkpoint recomputing from them
+            views = u.param_views(grad)
         for mod, attr, k in u.slots:
             setattr(mod, attr, views[k])
 

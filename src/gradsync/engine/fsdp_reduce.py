@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UsageError
 from . import comm
 from .fsdp_units import FlatUnit
 
@@ -39,6 +40,13 @@ class UnitReducer:
 
     def accept(self, u: FlatUnit, g: torch.Tensor, syncing: bool) -> None:
         """``u``'s gradient from this backward (a real one or zeros)."""
+        if syncing and u.grad_seen:
+            name = type(u.module).__name__
+            raise UsageError(
+                f"FullyShardedDataParallel: unit {u.index} ({name}) received its gradient twice "
+                "in one synchronised backward: a module under reentrant activation "
+                "checkpointing inside a larger unit. Make the checkpointed module a unit of its "
+                "own (wrap=...) or use torch.utils.checkpoint(..., use_reentrant=False)")
         u.grad_seen = True
         g = g.to(self.reduce_dtype or g.dtype)
         if u.acc is not None:
