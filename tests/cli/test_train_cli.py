@@ -89,13 +89,20 @@ def test_worker_dying_mid_step_is_named(tmp_path, kind, expect, strategy):
     assert time.monotonic() - t0 < 60
 
 
+def _as_from_a_terminal():
+    """SIGINT at its default, as a shell in a terminal starts a command: a test run
+    started in the background by a script inherits SIGINT ignored (POSIX), and a
+    process that ignores SIGINT rightly stays deaf to Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_keeps_last_checkpoint_and_leaves_no_temporary_files(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen([*CLI, "train", "--steps", "400", "--seq-len", "32",
                              "--global-batch", "8", "--micro-batch", "4",
                              "--checkpoint-every", "2", "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_as_from_a_terminal)
     try:
         deadline = time.monotonic() + 90
         while not (out / "checkpoint.pt").exists() and time.monotonic() < deadline:
@@ -139,7 +146,7 @@ def test_ctrl_c_while_workers_start_is_one_line_and_leaves_no_process(moment, tm
     """Ctrl-C while the forkserver starts or imports torch: no traceback from it, nothing left."""
     proc = subprocess.Popen([*CLI, "train", *FAST, "--out", str(tmp_path / "run")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_as_from_a_terminal)
     try:
         deadline = time.monotonic() + 60
         while (pid := _forkserver_of(proc.pid)) is None and time.monotonic() < deadline:
@@ -165,7 +172,7 @@ def test_ctrl_c_while_workers_start_is_one_line_and_leaves_no_process(moment, tm
 def test_ctrl_c_while_the_cli_imports_torch_is_one_line(tmp_path):
     proc = subprocess.Popen([*CLI, "train", *FAST, "--out", str(tmp_path / "run")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_as_from_a_terminal)
     try:
         deadline = time.monotonic() + 60
         while not _has_loaded_torch(proc.pid):
