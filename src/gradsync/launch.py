@@ -53,25 +53,23 @@ def _start_forkserver() -> None:
     """Start (or restart) the workers' forkserver with Ctrl-C kept from its startup.
 
     The forkserver runs in the caller's process group, so a terminal's Ctrl-C
-    reaches it. Started with SIGINT ignored (inherited across exec), its
-    interpreter startup cannot print a KeyboardInterrupt traceback; its first
-    preload module then makes a SIGINT during the imports a quiet exit and its
-    last gives workers the default handler (``gradsync.forkserver``). The caller
-    ignores SIGINT only for the fork+exec itself, and only from the main thread,
-    where handlers live.
+    reaches it. Started with SIGINT *blocked* (the signal mask is inherited across
+    fork and exec), its interpreter startup cannot print a KeyboardInterrupt
+    traceback; its first preload module installs a quiet exit and unblocks, so a
+    Ctrl-C that arrived meanwhile ends it there, and its last gives workers the
+    default handler (``gradsync.forkserver``). Blocking rather than ignoring keeps
+    the signal pending for the caller too: a Ctrl-C during the fork+exec itself is
+    delivered (KeyboardInterrupt) as soon as the mask is restored, not lost.
     """
     global _preloaded
     if not _preloaded:
         multiprocessing.set_forkserver_preload(_PRELOAD)
         _preloaded = True
-    if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _record_and_die(exc: BaseException) -> None:

@@ -5,7 +5,7 @@ reaches it too. Python's forkserver ignores SIGINT only *after* it has imported
 its preload modules (torch: seconds), so a Ctrl-C during those seconds printed a
 KeyboardInterrupt traceback from deep inside torch's import, beside the
 launcher's own one-line "interrupted". The launcher starts it with SIGINT
-ignored; :mod:`.exit_on_sigint` is imported first and :mod:`.restore_sigint`
-last, so a SIGINT while preloading ends the forkserver without a traceback and
-workers react to Ctrl-C exactly as before.
+blocked; :mod:`.exit_on_sigint` is imported first (a quiet exit, then unblocked)
+and :mod:`.restore_sigint` last, so a SIGINT while starting or preloading ends the
+forkserver without a traceback and workers react to Ctrl-C exactly as before.
 """

@@ -15,3 +15,6 @@ def _exit_quietly(signum: int, frame: object) -> None:
 
 
 signal.signal(signal.SIGINT, _exit_quietly)
+# the launcher started this process with SIGINT blocked (gradsync.launch): a Ctrl-C
+# during interpreter startup is pending, and ends the forkserver here, quietly
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

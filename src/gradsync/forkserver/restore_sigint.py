@@ -2,7 +2,7 @@
 
 The forkserver records the handler in place after its preload as the one its
 workers restore, so workers raise KeyboardInterrupt on Ctrl-C as any Python
-process does (the launcher started the forkserver with SIGINT ignored).
+process does (the first preload gave it a quiet exit for the preload).
 """
 
 import signal
