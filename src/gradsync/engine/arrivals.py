@@ -33,11 +33,6 @@ class Arrivals:
         self.count = [0] * len(names)
         self._log: list[int] | None = None
 
-    @property
-    def learning(self) -> bool:
-        """The first synchronised pass of a static graph: count, launch nothing early."""
-        return self.expected is None
-
     def open(self, log_order: bool) -> None:
         """A synchronised pass begins; ``log_order``: record completion order (rebuild)."""
         self.count = [0] * len(self.names)

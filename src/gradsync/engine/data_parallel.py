@@ -148,7 +148,8 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
     def _optimizer_pieces(self):
         return list(zip(self._names, self._params))
 
-    def _shards_state(self) -> bool:
+    @property
+    def owns_shards(self) -> bool:
         return self._reduction.owns_shards
 
     def _trainable(self) -> list[bool]:

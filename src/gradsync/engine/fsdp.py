@@ -72,6 +72,7 @@ class FullyShardedDataParallel(SyncedModule):
             reduce-scatters stay on the fast intra-host links, and only each rank's
             gradient shard is all-reduced across hosts (default group only).
     """
+    owns_shards = True  # join() needs the optimizer of a rank whose inputs ran out
 
     def __init__(self, module: nn.Module, wrap=None, mixed_precision: MixedPrecision | None = None,
                  prefetch: int = 1, group=None, collectives: str = "auto",
@@ -186,9 +187,6 @@ class FullyShardedDataParallel(SyncedModule):
         name = {(id(u), k): n for (u, k), n in zip(self._slots, self._names)}
         return [(name[id(u), s.param] if u.view.segments else None, t)
                 for u in self._units for t, s in zip(u.view.tensors, u.view.segments or [None])]
-
-    def _shards_state(self) -> bool:
-        return True
 
     def _trainable(self) -> list[bool]:
         return [True] * len(self._slots)

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..errors import UsageError
 from .precision import master_dtype
+from .replicas import ignored_names
 from .shard_view import ShardView
 from .sharding import FlatShard
 
@@ -102,7 +103,7 @@ def build_units(module: nn.Module, wrap, world: int, rank: int,
     by two units (tied weights) goes to the root, which is gathered for the whole
     forward. Units come in registration (pre-)order, the root first.
     """
-    ignored = getattr(module, "_ddp_params_and_buffers_to_ignore", ())
+    ignored = ignored_names(module)
     if ignored:
         raise UsageError("FullyShardedDataParallel shards every parameter; this module sets "
                          f"torch DDP's parameters to ignore ({sorted(ignored)[:3]}): use "

@@ -49,6 +49,7 @@ import torch
 from ..errors import UsageError
 from . import comm
 from .replicas import broadcast_module_state, broadcast_tensors, comm_device
+from .sync_batchnorm import SyncBatchNorm
 
 _GRAD, _SYNC, _BUFFERS = 0, 1, 2
 _FLAGS = 3  # then one slot per rank: 1 where that rank is active
@@ -62,15 +63,14 @@ class Join:
         if not (optimizer is None or callable(optimizer) or _is_optimizer(optimizer)):
             raise UsageError("join(optimizer=...) takes an optimizer or a zero-argument function "
                              f"that steps it, got {type(optimizer).__name__}")
-        if enable and optimizer is None and model._shards_state():
+        if enable and optimizer is None and model.owns_shards:
             raise UsageError(
                 f"{type(model).__name__}.join() needs optimizer=: with sharded state a rank "
                 "whose inputs ran out must keep stepping its shard (join(optimizer=opt), or "
                 "a function doing what the loop does after backward)")
         if enable:
             sbn = next((type(m).__name__ for m in model.module.modules()
-                        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-                        and "Sync" in type(m).__name__), None)
+                        if isinstance(m, (torch.nn.SyncBatchNorm, SyncBatchNorm))), None)
             if sbn is not None:
                 raise UsageError(
                     f"join() cannot shadow {sbn}: its statistics are collectives of the "
@@ -184,6 +184,8 @@ def _is_optimizer(obj) -> bool:
 class JoinShadow:
     """What the synchronised-backward core (``sync_core.SyncedModule``) adds for join()."""
 
+    owns_shards = False  # state no other rank holds (ZeRO shards): join() needs optimizer=
+
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False, optimizer=None) -> Join:
         """torch DDP's ``join()``: ranks may run out of inputs at different iterations.
@@ -212,10 +214,6 @@ class JoinShadow:
         with self._window.uncounted_pass():
             self._replay_pass()
         return sync
-
-    def _shards_state(self) -> bool:
-        """Whether this rank owns state no other rank holds (ZeRO shards)."""
-        return False
 
     def _discard_gradients(self) -> None:
         """join() without an optimizer: a rank that left keeps no gradients."""

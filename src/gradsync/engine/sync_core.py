@@ -35,8 +35,7 @@ only intended difference is the divisor (the global item count with
 5. A rank with no data joins with ``backward(loss_or_None, num_items=0)``, whether
    it ran the forward or not; it replays the collectives with zeros and counts
    as "not used" for rule 1.
-6. Ranks whose inputs run out at different iterations: ``with model.join(...)``
-   (torch DDP's); a rank that left shadows the others (``join.py``).
+6. Inputs that run out at different iterations: ``model.join()`` (``join.py``).
 """
 
 from __future__ import annotations
@@ -133,7 +132,7 @@ class SyncedModule(JoinShadow, SyncProtocol, nn.Module):
         if self._buffers_due and self.broadcast_buffers and self.world_size > 1:
             buffers = self._synced_buffers()
             if buffers:  # inside join(): from the highest rank with data, as DDP does
-                src = self._join_state.buffer_source if self._join_state is not None else 0
+                src = 0 if self._join_state is None else self._join_state.buffer_source
                 broadcast_tensors(buffers, self.group, src_rank=src, tag="buffers")
 
     def _output_hook(self, grad):
