@@ -16,7 +16,10 @@ learning-rate schedule and number of steps; only how gradients travel differs:
   all 4 ranks) or inside each host first, then across hosts;
 * ``bf16``, ``fp16``, ``int8``, ``powersgd:4``: compressed gradients (int8 and
   PowerSGD with error feedback);
-* ``diloco-25``, ``diloco-100``: DiLoCo, H local steps between syncs;
+* ``diloco-25``, ``diloco-100``: DiLoCo, H local steps between syncs, every rank a worker;
+* ``diloco-25-hosts``, ``streaming-hosts``: the same with a worker per host (exact data
+  parallelism over the host's loopback, local updates across the slow link, as the
+  DiLoCo paper's workers are islands of accelerators; ``--collectives hierarchical``);
 * ``streaming``: streaming DiLoCo, H = 25 in 4 fragments, each overlapped with the
   next step (tau = 1), merged with alpha 0.5;
 * ``diloco-25-4x``: DiLoCo H = 25 allowed 4x the samples (4x the steps), outside the
@@ -85,6 +88,11 @@ METHODS: dict[str, list[str]] = {
     "diloco-100": ["--sync", "diloco", "--sync-every", "100"],
     "streaming": ["--sync", "streaming-diloco", "--sync-every", "25", "--fragments", "4",
                   "--sync-delay", "1", "--sync-alpha", "0.5"],
+    "diloco-25-hosts": ["--sync", "diloco", "--sync-every", "25", "--collectives",
+                        "hierarchical"],
+    "streaming-hosts": ["--sync", "streaming-diloco", "--sync-every", "25", "--fragments", "4",
+                        "--sync-delay", "1", "--sync-alpha", "0.5", "--collectives",
+                        "hierarchical"],
     "no-sync": ["--sync", "diloco", "--sync-every", "1000000000"],
     "diloco-25-4x": ["--sync", "diloco", "--sync-every", "25"],
     "diloco-25-const": ["--sync", "diloco", "--sync-every", "25", "--schedule", "constant"],
@@ -113,7 +121,8 @@ WORKLOADS: dict[str, dict] = {
 
 TOLERANCE = 1e-3
 LOCAL = {"diloco-25": 25, "diloco-100": 100, "streaming": None, "no-sync": None,
-         "diloco-25-4x": 25, "diloco-25-const": 25}
+         "diloco-25-4x": 25, "diloco-25-const": 25, "diloco-25-hosts": 25,
+         "streaming-hosts": None}
 """Local-update methods -> the interval at which their replicas are identical (None: only
 at the end of the run)."""
 
@@ -331,7 +340,7 @@ def main(argv=None) -> int:
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     quick_h = ({"diloco-25": 2, "diloco-100": 4, "streaming": 4, "diloco-25-4x": 2,
-                "diloco-25-const": 2}
+                "diloco-25-const": 2, "diloco-25-hosts": 2, "streaming-hosts": 4}
                if args.quick else {})
     if args.render_only:
         render(out, results, quick_h)

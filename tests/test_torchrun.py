@@ -55,3 +55,43 @@ def test_train_module_two_nodes_rendezvous(tmp_path):
         assert p.returncode == 0, err[-3000:]
     ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
     assert ckpt["world_size"] == 2 and ckpt["config"]["workers"] == 2
+
+
+def _losses(run_dir: Path) -> list[float]:
+    import json
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines if '"loss"' in line]
+
+
+def test_diloco_with_a_worker_per_node_at_h1_is_exact_sgd(tmp_path):
+    """Two torchrun agents of 2 ranks each: ``--sync diloco --collectives hierarchical``
+    makes each node one DiLoCo worker (exact inside it). With H = 1, an outer SGD of lr 1
+    and inner SGD with momentum (linear in the gradient; no clipping, which is not),
+    that is exact synchronous SGD on the global batch: the same losses as
+    ``--sync exact``, step by step, to float32 rounding."""
+    port = _free_port()
+    sgd = ["--optimizer", "sgd", "--clip", "0", "--global-batch", "8", "--micro-batch", "2",
+           "--eval-every", "0"]
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "gradsync-diloco-hosts"]
+    local = ["--sync", "diloco", "--sync-every", "1", "--outer-lr", "1", "--outer-momentum",
+             "0", "--collectives", "hierarchical"]
+    procs = [subprocess.Popen([*TORCHRUN, *common, *TRAIN, *sgd, *local,
+                               "--out", str(tmp_path / "hosts")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env())
+             for _ in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    r = subprocess.run([sys.executable, "-m", "gradsync", "train", *TRAIN[2:], "--workers", "2",
+                        *sgd, "--no-report",
+                        "--out", str(tmp_path / "exact")],
+                       capture_output=True, text=True, timeout=180, env=_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    hosts, exact = _losses(tmp_path / "hosts"), _losses(tmp_path / "exact")
+    assert len(hosts) == len(exact) == 4
+    assert hosts[-1] < hosts[0]
+    for a, b in zip(hosts, exact):
+        assert abs(a - b) <= 1e-5 * abs(b), (hosts, exact)

@@ -25,6 +25,14 @@ every sync with the same item weights (a replica that saw more data has better
 statistics); integer buffers (``num_batches_tracked``) take rank 0's value. With
 ``sync_buffers=False`` they stay local.
 
+Workers may be hosts rather than ranks (``topology=HostTopology(...)``): the DiLoCo
+paper's workers are islands of accelerators training synchronously inside, with
+local updates only across the slow links between them. The caller makes each host
+one replica (``gs.DataParallel(module, group=topology.intra_group)``: exact inside the
+host); DiLoCo then sums pseudo-gradients with the two-level all-reduce, so the
+inter-host link carries each host's pseudo-gradient once, split over its ranks, and
+the item weights add up to each host's items with no extra step.
+
 Nothing here is exact against one process except the ``H = 1`` case above: local
 updates spend exactness on purpose, and ``gradsync verify`` never calls them exact.
 """
@@ -41,6 +49,8 @@ from torch import nn
 
 from ..errors import UsageError
 from . import comm
+from .algorithms import hierarchical
+from .algorithms.topology import HostTopology
 from .compress import Compressor, parse_compression
 from .compress.base import ring_bytes
 from .diloco_fragments import Fragment, build_outer_optimizer, split_parameters
@@ -109,6 +119,10 @@ class DiLoCo:
             SGD(lr=0.7, momentum=0.9, nesterov=True).
         sync_every: H, inner steps between syncs.
         group: process group (default: the world).
+        topology: a :class:`HostTopology` (instead of ``group``): a DiLoCo worker per
+            host. Replicas must be identical inside a host (DataParallel over
+            ``topology.intra_group``); pseudo-gradients travel by the two-level
+            all-reduce. Not with ``compress``.
         compress: ``None`` (exact all-reduce), ``"bf16"``, ``"int8"``, ... or a
             :class:`Compressor`; the pseudo-gradient travels compressed.
         sync_buffers: average floating-point buffers at every sync (see module docstring).
@@ -121,7 +135,7 @@ class DiLoCo:
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
                  outer_optimizer: Callable | None = None, sync_every: int = 500, group=None,
-                 compress=None, sync_buffers: bool = True, *, _fragments=1):
+                 compress=None, sync_buffers: bool = True, *, topology=None, _fragments=1):
         if not dist.is_available() or not dist.is_initialized():
             raise UsageError(f"{self._what} needs an initialised process group: call "
                              "gradsync.init() (torchrun) or run inside gradsync.spawn()")
@@ -137,10 +151,18 @@ class DiLoCo:
             raise UsageError("outer_optimizer must be a factory: lambda params: torch.optim.X("
                              f"params, ...), or an optimizer over the model's parameters, got "
                              f"{type(outer_optimizer).__name__}")
+        if topology is not None:
+            if not isinstance(topology, HostTopology):
+                raise UsageError(f"{self._what}: topology must be a HostTopology, got "
+                                 f"{type(topology).__name__}")
+            if group is not None or compress is not None:
+                raise UsageError(f"{self._what}: topology spans the world and sends exactly: "
+                                 "no group or compress with it")
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.sync_every = sync_every
         self.group = group
+        self.topology = topology
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.compressor = resolve_compressor(compress)
@@ -182,7 +204,7 @@ class DiLoCo:
             items, flat = frag.items, frag.pack()
             frag.items, frag.last_sent = 0.0, self._steps
             flat, total, sent, exact = self._reduce(frag.index, frag.shapes, flat, items,
-                                                    self.group, self._steps)
+                                                    self.topology or self.group, self._steps)
             frag.apply(flat, total, self.outer_optimizer, alpha=0.0)
             extra = self._sync_buffers(buffer_items) if frag.index == 0 else 0
             self._count(sent + extra, exact + extra)
@@ -192,13 +214,21 @@ class DiLoCo:
         """Sum ``flat`` and the item counts over ranks (blocking).
 
         Returns (flat, total items, bytes sent, bytes an exact all-reduce would send).
+        ``group`` may be a :class:`HostTopology`: the two-level all-reduce over the world
+        (what a rank sends is the same 2 (N-1)/N of the size as a flat ring's; half or
+        more of it stays inside the host).
 
         Touches only its arguments and the compressor: streaming runs it on a thread.
         """
+        topology = group if isinstance(group, HostTopology) else None
+        group = None if topology is not None else group
         count = torch.tensor([items], dtype=torch.float64, device=flat.device)
         pending = comm.all_reduce(count, group, async_op=True, tag="diloco-items")
         world = dist.get_world_size(group)
-        if self.compressor is None:
+        if topology is not None:
+            hierarchical.all_reduce_(flat, topology, tag="diloco")
+            sent = ring_bytes(flat.numel() * flat.element_size(), world)
+        elif self.compressor is None:
             comm.all_reduce(flat, group, tag="diloco", meta={"fragment": key, "step": step})
             sent = ring_bytes(flat.numel() * flat.element_size(), world)
         else:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UsageError
+from .algorithms.topology import HostTopology
 from .compress import CompressedBuckets, parse_compression
 from .diloco import DiLoCo
-from .local_strategy import LocalModel, LocalUpdateStrategy
+from .local_strategy import HostModel, LocalModel, LocalUpdateStrategy
 from .streaming_diloco import StreamingDiLoCo
 from .sync_options import SyncOptions
 
@@ -28,18 +30,31 @@ def outer_sgd(lr: float, momentum: float):
                                           nesterov=momentum > 0)
 
 
-def build_local(module, precision, optimizer_class, group, sync: SyncOptions, **opt_kwargs):
-    """``--sync diloco|streaming-diloco``: a local replica, its inner optimizer, DiLoCo."""
+def build_local(module, precision, optimizer_class, group, sync: SyncOptions,
+                bucket_cap_mb: float = 25.0, **opt_kwargs):
+    """``--sync diloco|streaming-diloco``: a local replica, its inner optimizer, DiLoCo.
+
+    With ``--collectives hierarchical`` a worker is a host (torchrun's layout): exact
+    data parallelism inside it, DiLoCo across hosts, pseudo-gradients two-level.
+    """
     sync.check_precision(precision)
-    model = LocalModel(module)
+    topology = None
+    if sync.collectives == "hierarchical":
+        if group is not None:
+            raise UsageError("a DiLoCo worker per host spans the world: no process group")
+        topology = HostTopology.from_env()
+        model = HostModel(module, topology.intra_group, float(bucket_cap_mb))
+    else:
+        model = LocalModel(module)
     inner = optimizer_class(module.parameters(), **opt_kwargs)
     compress = None if sync.compress == "none" else sync.compress
     if sync.method == "diloco":
         diloco = DiLoCo(module, inner, outer_sgd(sync.outer_lr, sync.outer_momentum),
-                        sync_every=sync.every, group=group, compress=compress)
+                        sync_every=sync.every, group=group, compress=compress,
+                        topology=topology)
     else:
         diloco = StreamingDiLoCo(module, inner, outer_sgd(sync.outer_lr, sync.outer_momentum),
                                  sync_every=sync.every, fragments=sync.fragments,
                                  delay=sync.delay, alpha=sync.alpha, group=group,
-                                 compress=compress)
+                                 compress=compress, topology=topology)
     return LocalUpdateStrategy(sync.method, precision, model, inner, diloco)

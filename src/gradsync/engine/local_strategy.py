@@ -149,6 +149,44 @@ class LocalModel(nn.Module):
             self.window_items, self._items = int(self._items), 0.0
 
 
+class HostModel(LocalModel):
+    """A local-update worker that spans a host: exact data parallelism over the host's
+    ranks (a DataParallel on ``group``, the host's intra group), local updates across
+    hosts, as the DiLoCo paper's workers are islands of accelerators.
+
+    ``window_items`` stays this rank's own items: DiLoCo sums item-weighted
+    pseudo-gradients over every rank, and the ranks of a host hold one replica, so
+    the sum weights each host by its items.
+    """
+
+    def __init__(self, module: nn.Module, group, bucket_cap_mb: float = 25.0):
+        super().__init__(module)
+        from .data_parallel import DataParallel
+
+        # not a registered child: parameters and state_dict stay the module's own
+        object.__setattr__(self, "replica", DataParallel(module, group=group,
+                                                         bucket_cap_mb=bucket_cap_mb))
+
+    def forward(self, *args, **kwargs):
+        return self.replica(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.replica.train(mode)
+        return self
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with self.replica.no_sync(), super().no_sync():
+            yield
+
+    def backward(self, loss=None, num_items=None, **kwargs) -> None:
+        self.replica.backward(loss, num_items=num_items, **kwargs)
+        self._items += 1.0 if num_items is None else as_count(num_items)
+        if self._require_sync:
+            self.window_items, self._items = int(self._items), 0.0
+
+
 class LocalUpdateStrategy(_PerRankState, Strategy):
     """``--sync diloco | streaming-diloco``: inner steps here, outer steps in DiLoCo."""
 

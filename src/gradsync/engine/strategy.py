@@ -231,7 +231,9 @@ def _ddp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=No
     sync.check_precision(precision)
     if sync.method != "exact":
         from .local_builders import build_local
-        return build_local(module, precision, optimizer_class, group, sync, **opt_kwargs)
+        bucket_cap = 25.0 if bucket_cap_mb == "auto" else bucket_cap_mb
+        return build_local(module, precision, optimizer_class, group, sync, bucket_cap,
+                           **opt_kwargs)
     mp = parse_precision(precision)
     reduction = None
     if sync.compress != "none":

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from .algorithms.topology import HostTopology
 from .compress.thread import private_group
 from .diloco import DiLoCo, as_items
 
@@ -67,6 +68,8 @@ class StreamingDiLoCo(DiLoCo):
         alpha: weight of the local parameters when merging (0 <= alpha < 1).
         comm_group: process group for the background reductions; default: a new
             group with the same ranks as ``group``.
+        topology: as DiLoCo's (a worker per host); the background reductions get a
+            topology of their own (new groups, the same hosts).
     """
 
     _what = "StreamingDiLoCo"
@@ -74,7 +77,7 @@ class StreamingDiLoCo(DiLoCo):
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
                  outer_optimizer=None, sync_every: int = 500, fragments=2, delay: int = 1,
                  alpha: float = 0.5, group=None, compress=None, sync_buffers: bool = True,
-                 comm_group=None):
+                 comm_group=None, topology=None):
         if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
             raise UsageError(f"delay must be an int >= 0, got {delay!r}")
         if isinstance(sync_every, int) and delay >= sync_every:
@@ -87,10 +90,13 @@ class StreamingDiLoCo(DiLoCo):
         if not 0 <= alpha < 1:
             raise UsageError(f"alpha must be in [0, 1), got {alpha!r}")
         super().__init__(model, inner_optimizer, outer_optimizer, sync_every, group, compress,
-                         sync_buffers, _fragments=fragments)
+                         sync_buffers, topology=topology, _fragments=fragments)
         self.delay = delay
         self.alpha = alpha
-        self.comm_group = comm_group if comm_group is not None else private_group(group)
+        if topology is not None:  # the thread's two-level reductions on groups of their own
+            self.comm_group = HostTopology(topology.ranks_per_host)
+        else:
+            self.comm_group = comm_group if comm_group is not None else private_group(group)
         self.offsets = [f * sync_every // len(self.fragments) for f in range(len(self.fragments))]
         self._inflight: list[_InFlight] = []
         self._executor: ThreadPoolExecutor | None = None

@@ -32,8 +32,9 @@ class SyncOptions:
     compress: ``none`` | ``bf16`` | ``fp16`` | ``powersgd:R`` | ``int8`` (exact: the
         gradient buckets; local updates: the pseudo-gradient, bf16/fp16/int8 only).
     collectives: ``native`` (the backend's), or ``hierarchical`` (two-level: hosts
-        joined by a slow link; stage 3 becomes hybrid sharding), ``ring``, ``tree``,
-        ``server`` (reference algorithms).
+        joined by a slow link; stage 3 becomes hybrid sharding; local updates get a
+        worker per host, exact inside it), ``ring``, ``tree``, ``server`` (reference
+        algorithms).
     probe_every: with compression, every this many steps also sum the exact gradient
         once and record how far the compressed one is (cosine, relative error).
     """
@@ -73,8 +74,9 @@ class SyncOptions:
         if local and self.compress.split(":")[0] == "powersgd":
             raise UsageError("--compress powersgd compresses gradient buckets; local-update "
                              "methods send pseudo-gradients as bf16, fp16 or int8")
-        if local and self.collectives != "native":
-            raise UsageError(f"--collectives {self.collectives} needs --sync exact")
+        if local and self.collectives not in ("native", "hierarchical"):
+            raise UsageError(f"--collectives {self.collectives} needs --sync exact (local "
+                             "updates take native, or hierarchical: a worker per host)")
         if self.compress != "none" and self.collectives != "native":
             raise UsageError("--compress and --collectives other than native do not combine: "
                              "a compressor does its own communication")

@@ -1,0 +1,150 @@
+"""DiLoCo with a worker per host, in float64, against single-process references.
+
+The DiLoCo paper's workers are islands of accelerators, synchronous inside and
+local-update only across the slow links between them. Here 4 ranks form 2
+emulated hosts of 2 (``HostTopology(ranks_per_host=2)``): each host trains one
+replica with ``gs.DataParallel`` on its intra-host group (exact mean over the host's
+items), and ``DiLoCo(..., topology=...)`` sums the item-weighted pseudo-gradients
+with the two-level all-reduce.
+
+Claims: H = 1 with inner SGD and outer SGD lr 1 is synchronous data-parallel SGD on
+the global batch (<= 1e-12, uneven items, ranks without data); with H = 4 and the
+default Nesterov outer step (and Streaming DiLoCo's fragments, delay and mixing)
+the run is the 2-worker algorithm whose worker h sees everything host h's ranks
+saw; replicas end bitwise identical on every rank; pseudo-gradients go through the
+two-level all-reduce (seen by a comm observer).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradsync as gs
+from gradsync.engine import comm
+from gradsync.engine.algorithms import HostTopology
+from tests.engine.test_diloco import (
+    DP,
+    LR,
+    NESTEROV,
+    STEPS,
+    STREAM,
+    TOL,
+    _flat_schedule,
+    _outer,
+    _reference_local,
+    _reference_sync_sgd,
+)
+from tests.helpers import dataset, job_results, max_gap, mlp, mse, run_jobs
+
+WORLD, PER_HOST = 4, 2
+SCHED = _flat_schedule(STEPS, WORLD)
+HOST_SCHED = [[step[2 * h] + step[2 * h + 1] for h in range(WORLD // PER_HOST)]
+              for step in SCHED]
+"""What each host saw: its two ranks' items, in rank order."""
+
+
+def _host_run(cfg, sched):
+    """One rank of a host-worker run; returns parameters, stats and inter-host bytes."""
+    rank = gs.rank()
+    top = HostTopology(ranks_per_host=PER_HOST)
+    x, y = dataset()
+    model = mlp()
+    replica = gs.DataParallel(model, group=top.intra_group)
+    inner = torch.optim.SGD(model.parameters(), lr=LR)
+    common = dict(outer_optimizer=_outer(cfg["outer"]), sync_every=cfg["H"], topology=top)
+    if "F" in cfg:
+        d = gs.StreamingDiLoCo(model, inner, fragments=cfg["F"], delay=cfg["tau"],
+                               alpha=cfg["alpha"], **common)
+    else:
+        d = gs.DiLoCo(model, inner, **common)
+    inter = {"bytes": 0}
+
+    def observe(phase, ev):  # pseudo-gradient reductions and the algorithm that ran them
+        if phase == "launch" and ev.tag == "diloco":
+            inter["bytes"] += ev.nbytes
+            inter.setdefault("algorithms", set()).add((ev.meta or {}).get("algorithm"))
+
+    with comm.add_observer(observe):
+        for s in range(STEPS):
+            idx = sched[s][rank]
+            if idx:
+                replica.backward(mse(replica(x[idx]), y[idx]), num_items=len(idx))
+            else:
+                replica.backward(None, num_items=0)
+            inner.step()
+            inner.zero_grad()
+            d.step(num_items=len(idx))
+        d.sync_now()
+    if hasattr(d, "close"):
+        d.close()
+    return [p.detach().clone() for p in model.parameters()], d.stats(), inter
+
+
+def _bad_input():
+    top = HostTopology(ranks_per_host=PER_HOST)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    errors = []
+    for make in (lambda: gs.DiLoCo(model, opt, topology="hosts"),
+                 lambda: gs.DiLoCo(model, opt, topology=top, compress="int8")):
+        try:
+            make()
+            errors.append(None)
+        except gs.GradsyncError as e:
+            errors.append(str(e))
+    return errors
+
+
+_cache: dict = {}
+
+
+def _results(index):
+    if not _cache:
+        jobs = [(_host_run, (DP, SCHED)), (_host_run, (NESTEROV, SCHED)),
+                (_host_run, (STREAM, SCHED)), (_bad_input, ())]
+        _cache["r"] = gs.spawn(run_jobs, WORLD, jobs, timeout_s=90)
+    return job_results(_cache["r"], index)
+
+
+def _identical(res):
+    p0 = res[0][0]
+    for r, (p, _, _) in enumerate(res[1:], start=1):
+        assert all(torch.equal(a, b) for a, b in zip(p0, p)), f"rank {r} differs"
+    return p0
+
+
+def test_h1_per_host_is_synchronous_sgd_on_the_global_batch():
+    params = _identical(_results(0))
+    assert any(not rank for step in SCHED for rank in step)  # ranks without data
+    gap = max_gap(params, _reference_sync_sgd(SCHED))
+    assert gap <= TOL, f"gap {gap:.3e}"
+
+
+@pytest.mark.parametrize("index,cfg", [(1, NESTEROV), (2, STREAM)])
+def test_a_host_is_one_worker_that_saw_its_ranks_items(index, cfg):
+    params = _identical(_results(index))
+    fragments = [[0, 1], [2, 3, 4, 5]] if "F" in cfg else None
+    gap = max_gap(params, _reference_local(HOST_SCHED, STEPS, WORLD // PER_HOST, cfg,
+                                           fragments))
+    assert gap <= TOL, f"gap {gap:.3e}"
+
+
+def test_pseudo_gradients_travel_by_the_two_level_all_reduce():
+    """One hierarchical all-reduce of the whole pseudo-gradient per sync (its inter-host
+    step carries 1/2 of it per rank: ``test_hierarchical.py``), counted as a flat ring's
+    2 (N-1)/N of the size."""
+    res = _results(1)
+    numel = sum(p.numel() for p in mlp().parameters())
+    syncs = res[0][1].syncs
+    assert syncs == 4  # steps 4, 8, 12 and sync_now at 14
+    for _, stats, seen in res:
+        assert seen["algorithms"] == {"hierarchical"}
+        assert seen["bytes"] == syncs * numel * 8
+        assert stats.bytes_sent == stats.exact_bytes
+
+
+def test_bad_topology_arguments_are_one_line_errors():
+    for errors in _results(3):
+        assert "must be a HostTopology" in errors[0]
+        assert "no group or compress" in errors[1]
