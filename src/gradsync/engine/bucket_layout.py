@@ -205,8 +205,9 @@ class BucketAccess:
         tuner = self._layout.autotuner
         return None if tuner is None else tuner.result
 
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the buckets in place; as torch's ``zero_grad``, a None gradient stays None."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's ``zero_grad``: gradients to None by default; with
+        ``set_to_none=False`` the buckets are zeroed in place and a None gradient stays None."""
         self._reduction.prepare()
         for b in self._layout.buckets:
             if not b.buffer.untyped_storage().nbytes():  # released by a sharded reduction

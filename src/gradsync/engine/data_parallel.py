@@ -28,7 +28,7 @@ from .arrivals import Arrivals
 from .autotune import BucketAutotuner
 from .bucket_layout import BucketAccess, BucketLayout, trainable_parameters
 from .bucketing import BucketSpec, mb_to_bytes
-from .ddp_compat import DDPMethods, resolve_ddp_keywords
+from .ddp_compat import DDPMethods, accept_module_keys, resolve_ddp_keywords
 from .reduction import AllReduceBuckets, BucketReduction
 from .replicas import broadcast_module_state, comm_device, verify_same_structure
 from .sync_core import SyncedModule
@@ -71,7 +71,8 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
     def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float | str = 25,
                  first_bucket_mb: float = 1, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, collectives: str = "native",
-                 topology=None, reduction: BucketReduction | None = None, **ddp_keywords):
+                 topology=None, reduction: BucketReduction | None = None, *,
+                 _in_sync: bool = False, **ddp_keywords):
         group = resolve_ddp_keywords(module, group, ddp_keywords)
         super().__init__(module, group, find_unused_parameters, broadcast_buffers,
                          "DataParallel")
@@ -84,8 +85,13 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
         if not first_bucket_mb > 0:
             raise UsageError(f"first_bucket_mb must be > 0, got {first_bucket_mb!r}")
         self._comm_device = comm_device(group)
-        verify_same_structure(module, group, what="DataParallel")
-        broadcast_module_state(module, group)
+        if not _in_sync:  # a deepcopy of a replica is in sync already: no collectives
+            verify_same_structure(module, group, what="DataParallel")
+            broadcast_module_state(module, group)
+        self._init_kwargs = dict(ddp_keywords, group=group, bucket_cap_mb=bucket_cap_mb,
+                                 first_bucket_mb=first_bucket_mb,
+                                 find_unused_parameters=find_unused_parameters,
+                                 broadcast_buffers=broadcast_buffers)
 
         self._params, self._names, self._specs = trainable_parameters(module)
         tuner = None
@@ -108,6 +114,31 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
         self._install(self._layout.plan())
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(self._params)]
+        self._hooks += self._hook_accumulators()
+        self._register_load_state_dict_pre_hook(accept_module_keys)
+
+    def _hook_accumulators(self) -> list:
+        """Start a pass before autograd accumulates the first gradient of a backward.
+
+        The first post-accumulate hook is too late when it starts the pass: that
+        parameter's ``.grad`` already holds this pass's gradient, which would be set
+        aside as if held from before (a parameter used only in the loss, outside
+        forward, can be reached before any output). A pre-hook on each gradient
+        accumulator (held here, as torch DDP holds them) runs first.
+        """
+        def before(_grad_outputs):
+            if not self._in_pass:
+                self._start_pass()
+
+        handles = []
+        self._accumulators = []
+        with torch.enable_grad():
+            for p in self._params:
+                if p.requires_grad:
+                    acc = p.view_as(p).grad_fn.next_functions[0][0]
+                    self._accumulators.append(acc)
+                    handles.append(acc.register_prehook(before))
+        return handles
 
     # ------------------------------------------------------------------ layout
     def _install(self, specs: list[BucketSpec]) -> None:

@@ -25,6 +25,8 @@ gradsync's compressors, and the ``require_backward_grad_sync`` flag.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..errors import UsageError
@@ -40,6 +42,16 @@ def _same_device(value, device: torch.device) -> bool:
         return torch.device(value) == device
     except (TypeError, RuntimeError):
         return False
+
+
+def accept_module_keys(state_dict, prefix, *_args) -> None:
+    """Load-state-dict pre-hook: a wrapper inside a parent module (a GAN, an EMA holder)
+    is saved with the module's own keys (``state_dict()`` drops ``module.``), so the
+    parent's ``load_state_dict`` must accept them: rename ``prefix + k`` to
+    ``prefix + "module." + k`` (keys already prefixed are left alone)."""
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
 def resolve_ddp_keywords(module: torch.nn.Module, group, kwargs: dict):
@@ -130,3 +142,22 @@ class DDPMethods:
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
         self._require_sync = bool(value)
+
+    def __deepcopy__(self, memo):
+        """A working copy, as torch DDP's: the module deep-copied and wrapped again on the
+        same process group and settings. No collectives (the copy is of a replica
+        already in sync), so one rank may copy alone, e.g. for an EMA or an evaluation
+        model; training the copy synchronises it like the original."""
+        if self._custom_reduction or self.collectives != "native":
+            raise UsageError("deepcopy of a DataParallel with a custom reduction (ZeRO, a comm "
+                             "hook, compression) or reference collectives is not supported: "
+                             "copy model.module and wrap the copy on every rank")
+        kwargs = dict(self._init_kwargs)
+        if kwargs["bucket_cap_mb"] == "auto":
+            kwargs["bucket_cap_mb"] = self.bucket_cap_bytes / 2**20
+        return type(self)(copy.deepcopy(self.module, memo), _in_sync=True, **kwargs)
+
+    def __getstate__(self):
+        raise UsageError("a gradsync DataParallel cannot be pickled (its gradient hooks and "
+                         "process group belong to this process): save model.module, or "
+                         "model.state_dict()")

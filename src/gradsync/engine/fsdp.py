@@ -146,7 +146,7 @@ class FullyShardedDataParallel(SyncedModule):
         self._gatherer.free(u)
 
     def _pre_backward(self, u):
-        self._start_pass()
+        self._start_pass(through_output=True)
         if not u.bw_gathered:
             u.bw_gathered = True
             self._gatherer.gather(u, True)

@@ -85,6 +85,7 @@ class AllReduceBuckets(BucketReduction):
         self.reduce_dtype = reduce_dtype
         self._src: dict[int, torch.Tensor] = {}
         self._aside: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._none: set[int] = set()  # parameters whose .grad was None when the window opened
 
     def attach(self, dp) -> None:
         super().attach(dp)
@@ -117,6 +118,7 @@ class AllReduceBuckets(BucketReduction):
         """
         dp = self.dp
         self._aside = {}
+        self._none = {i for i, p in enumerate(dp.trainable_params) if p.grad is None}
         for b in dp.buckets:
             grads = [p.grad for p in b.params]
             if all(g is None for g in grads):
@@ -161,7 +163,8 @@ class AllReduceBuckets(BucketReduction):
                     view.add_(kept[1] if kept[1] is not None else kept[0])
                 continue
             if kept is None:
-                p.grad = None
+                if i in self._none:  # a zeroed view stays a zero gradient, as in DDP
+                    p.grad = None
             elif kept[1] is not None:
                 view.copy_(kept[1])
                 p.grad = view

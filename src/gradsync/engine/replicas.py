@@ -123,7 +123,10 @@ def broadcast_tensors(
             with torch.no_grad():
                 for t in chunk:
                     n = t.numel()
-                    t.copy_(flat[offset : offset + n].view_as(t))
+                    # through .data, as torch DDP's broadcast: the version counter stays, so a
+                    # graph that saved a buffer (BatchNorm, two forwards before one backward)
+                    # still backpropagates
+                    t.data.copy_(flat[offset : offset + n].view_as(t))
                     offset += n
 
 

@@ -136,7 +136,7 @@ class SyncedModule(JoinShadow, SyncProtocol, nn.Module):
                 broadcast_tensors(buffers, self.group, src_rank=src, tag="buffers")
 
     def _output_hook(self, grad):
-        self._start_pass()
+        self._start_pass(through_output=True)
         return None
 
     # ------------------------------------------------------------ backward
@@ -226,14 +226,21 @@ class SyncedModule(JoinShadow, SyncProtocol, nn.Module):
             self._require_sync = previous
 
     # ------------------------------------------------------------ pass state machine
-    def _start_pass(self, queue: bool = True) -> None:
+    def _start_pass(self, queue: bool = True, through_output: bool = False) -> None:
+        """A backward reached this model: from a forward's output, or (a strategy's
+        hook) before a parameter's first gradient is accumulated. Synchronised as the
+        last forward decided; with no forward since the last pass, only a backward
+        through an earlier forward's outputs (a retained graph) is: one through
+        ``model.module`` called directly accumulates locally, as in torch DDP."""
         if self._in_pass:
             return
         self._in_pass, self._joined = True, False
         self._trace_t0 = tracing.now() if tracing.ACTIVE is not None else None
         if queue:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
-        sync = self._forward_sync if self._forward_sync is not None else self._require_sync
+        sync = self._forward_sync
+        if sync is None:
+            sync = self._require_sync and through_output
         self._syncing = sync
         if not self._window_joined:
             self._set_aside()

@@ -8,7 +8,7 @@ so the protocol reads as one list.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 
 import torch
 
@@ -17,7 +17,7 @@ from .replicas import ignored_names
 
 
 def tensors_in(obj):
-    """Every tensor in a (nested) tuple/list/dict output."""
+    """Every tensor in a (nested) tuple/list/dict/dataclass output."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -26,6 +26,9 @@ def tensors_in(obj):
     elif isinstance(obj, dict):
         for o in obj.values():
             yield from tensors_in(o)
+    elif is_dataclass(obj) and not isinstance(obj, type):
+        for f in fields(obj):
+            yield from tensors_in(getattr(obj, f.name, None))
 
 
 @dataclass

@@ -1,0 +1,222 @@
+"""Corners a switching DDP user hits, each trained side by side with torch DDP (float64).
+
+Every scenario runs the same steps on a gradsync DataParallel and on torch's
+DistributedDataParallel (2 gloo ranks, the same data) and compares parameters and
+gradients (<= 1e-12), or checks what DDP does:
+
+* the first gradient of a backward is averaged even when the pass starts at a
+  parameter (one used only in the loss, outside forward) and the output is a
+  dataclass;
+* a backward through ``model.module`` (no forward through the wrapper) stays local,
+  on one rank only, without a hang;
+* two forwards before one backward with BatchNorm (the buffer broadcast must not
+  bump the version autograd saved);
+* ``zero_grad(set_to_none=False)``: a parameter no rank used keeps its zero gradient
+  (AdamW then decays it, as under DDP);
+* a wrapper inside a parent module: the parent's state_dict round trip;
+* ``copy.deepcopy`` of the wrapper synchronises like the original; pickling is a
+  one-line error; ``zero_grad()`` sets gradients to None, as torch's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsync as gs
+from tests.helpers import job_results, run_jobs
+
+TOL = 1e-12
+
+
+def _batch(step, rank, n=6, d=4):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(n, d, generator=g, dtype=torch.float64)
+
+
+def _record(model):
+    return {n: (p.detach().clone(), None if p.grad is None else p.grad.detach().clone())
+            for n, p in model.named_parameters()}
+
+
+@dataclasses.dataclass
+class Out:
+    mean: torch.Tensor
+    extra: torch.Tensor
+
+
+class Heteroscedastic(nn.Module):
+    """Dataclass output; ``log_var`` is used only in the loss, outside forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(3, 2)
+        self.log_var = nn.Parameter(torch.zeros(2))
+        self.double()
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return Out(self.b(h), h)
+
+
+def _loss_only_param(wrap):
+    model = wrap(Heteroscedastic())
+    module = model.module
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        out = model(_batch(step, gs.rank()))
+        lv = module.log_var
+        loss = (0.5 * torch.exp(-lv) * out.mean.pow(2) + 0.5 * lv).mean() + out.extra.mean()
+        loss.backward()
+        rec = _record(module)
+        opt.step()
+        opt.zero_grad()
+    return rec
+
+
+def _module_called_directly(wrap):
+    """Rank 0 alone backpropagates through ``model.module`` (a saliency map), then both
+    train a step."""
+    torch.manual_seed(1)
+    model = wrap(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1)).double())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if gs.rank() == 0:
+        x = _batch(9, 0).requires_grad_(True)
+        model.module(x).sum().backward()
+        opt.zero_grad()
+    model(_batch(0, gs.rank())).pow(2).mean().backward()
+    rec = _record(model.module)
+    opt.step()
+    return rec
+
+
+def _two_forwards_one_backward(wrap):
+    torch.manual_seed(2)
+    model = wrap(nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(),
+                               nn.Linear(6, 2)).double())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        a = model(_batch(step, gs.rank()))
+        b = model(_batch(step + 50, gs.rank()))
+        (a - b).pow(2).mean().backward()
+        rec = _record(model.module)
+        opt.step()
+        opt.zero_grad()
+    rec["buffers"] = [b.clone() for b in model.module.buffers()]
+    return rec
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.trunk = nn.Linear(4, 4)
+        self.branch = nn.Linear(4, 4)
+        self.double()
+
+    def forward(self, x, use_branch):
+        h = self.trunk(x)
+        return self.branch(h) if use_branch else h
+
+
+def _unused_with_zeroed_grads(wrap):
+    model = wrap(Branchy(), find_unused_parameters=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(4):
+        model(_batch(step, gs.rank()), step == 0).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return _record(model.module)
+
+
+def _gs(module, **kw):
+    return gs.DataParallel(module, bucket_cap_mb=1e-4, **kw)
+
+
+def _ddp(module, **kw):
+    return DDP(module, **kw)
+
+
+SCENARIOS = [_loss_only_param, _module_called_directly, _two_forwards_one_backward,
+             _unused_with_zeroed_grads]
+
+
+def _wrapper_semantics():
+    """A parent's state_dict round trip, deepcopy, pickling, zero_grad's default."""
+    torch.manual_seed(4)
+    model = gs.DataParallel(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).double())
+    parent = nn.ModuleDict({"net": model, "head": nn.Linear(3, 1).double()})
+    saved = parent.state_dict()
+    with torch.no_grad():
+        for p in parent.parameters():
+            p.add_(1.0)
+    parent.load_state_dict(saved)
+    restored = all(torch.equal(saved[k], v) for k, v in parent.state_dict().items())
+    twin = copy.deepcopy(model)
+    twin(_batch(0, gs.rank())).pow(2).mean().backward()
+    twin_grads = [p.grad.clone() for p in twin.parameters()]
+    try:
+        torch.save(model, io.BytesIO())
+        pickled = None
+    except gs.UsageError as e:
+        pickled = str(e)
+    model(_batch(0, gs.rank())).pow(2).mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    cleared = all(p.grad is None for p in model.parameters())
+    return restored, twin_grads, grads, pickled, cleared
+
+
+def _jobs():
+    jobs = []
+    for fn in SCENARIOS:
+        jobs += [(fn, (_gs,)), (fn, (_ddp,))]
+    return jobs + [(_wrapper_semantics, ())]
+
+
+_cache: dict = {}
+
+
+def _results(index):
+    if not _cache:
+        torch.set_default_dtype(torch.float64)
+        _cache["r"] = gs.spawn(run_jobs, 2, _jobs(), timeout_s=90)
+    return job_results(_cache["r"], index)
+
+
+def _gap(a, b):
+    if torch.is_tensor(a):
+        return float((a - b).abs().max()) if a.numel() else 0.0
+    if a is None or b is None:
+        assert a is None and b is None, "one gradient is None, the other not"
+        return 0.0
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        return max(_gap(a[k], b[k]) for k in a)
+    return max((_gap(x, y) for x, y in zip(a, b)), default=0.0)
+
+
+@pytest.mark.parametrize("k", range(len(SCENARIOS)), ids=[f.__name__ for f in SCENARIOS])
+def test_same_parameters_and_gradients_as_torch_ddp(k):
+    ours, theirs = _results(2 * k), _results(2 * k + 1)
+    for rank in range(2):
+        gap = _gap(ours[rank], theirs[rank])
+        assert gap <= TOL, f"rank {rank}: {gap:.3e}"
+
+
+def test_wrapper_in_a_parent_deepcopy_pickle_and_zero_grad():
+    for restored, twin_grads, grads, pickled, cleared in _results(2 * len(SCENARIOS)):
+        assert restored
+        assert _gap(twin_grads, grads) == 0.0  # the copy's backward is synchronised
+        assert pickled and "cannot be pickled" in pickled and "\n" not in pickled
+        assert cleared
+    ranks = _results(2 * len(SCENARIOS))
+    assert _gap(ranks[0][1], ranks[1][1]) == 0.0  # the same averaged gradient on both ranks
