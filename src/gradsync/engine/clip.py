@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UsageError
 from . import comm
 
 
@@ -23,7 +24,12 @@ def clip_grad_norm_(target, max_norm: float, norm_type: float = 2.0) -> torch.Te
     if float(norm_type) != 2.0:
         raise ValueError("gradsync.clip_grad_norm_ supports norm_type=2 only")
     shards_fn = getattr(target, "grad_shards", None)
+    if shards_fn is None:  # a DataParallel whose reduction shards (ZeRO): its shards
+        shards_fn = getattr(getattr(target, "_reduction", None), "grad_shards", None)
     if shards_fn is None:
+        if isinstance(target, torch.optim.Optimizer):
+            raise UsageError(f"clip_grad_norm_ takes a model, a ZeroOptimizer or parameters, "
+                             f"not a {type(target).__name__}: pass the model")
         params = target.parameters() if hasattr(target, "parameters") else target
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     grads = [g for g in shards_fn() if g is not None]

@@ -169,6 +169,16 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
         self.state = self.optimizer.state
         self._synced = False
 
+    def add_param_group(self, param_group) -> None:
+        """torch's, while the optimizer is built; afterwards an error: the shards are cut
+        when ZeroOptimizer is built, over the parameters trainable then (torch's
+        ZeroRedundancyOptimizer re-partitions; here, rebuild, with ``param_groups=``)."""
+        if getattr(self, "_synced", None) is None:  # inside torch.optim.Optimizer.__init__
+            return super().add_param_group(param_group)
+        raise UsageError("ZeroOptimizer.add_param_group: the shards are fixed when the "
+                         "DataParallel and ZeroOptimizer are built; unfreeze the parameters "
+                         "before building them (param_groups= gives them their own options)")
+
     # ------------------------------------------------ DataParallel reduction protocol
     def attach(self, dp) -> None:
         self.dp = dp
