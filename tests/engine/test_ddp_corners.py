@@ -187,7 +187,6 @@ _cache: dict = {}
 
 def _results(index):
     if not _cache:
-        torch.set_default_dtype(torch.float64)
         _cache["r"] = gs.spawn(run_jobs, 2, _jobs(), timeout_s=90)
     return job_results(_cache["r"], index)
 
