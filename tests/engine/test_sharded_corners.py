@@ -6,11 +6,18 @@
 * ``ZeroOptimizer.add_param_group`` after construction is a one-line error (the
   shards are fixed; the group would never train);
 * under FSDP, a wrapped layer's weight read between steps is a meta tensor of its
-  shape (never a view of freed storage, which crashed the process).
+  shape (never a view of freed storage, which crashed the process);
+* ZeRO with bf16 parameters and fp32 masters: weights loaded into the model after
+  the optimizer was built reach the masters (at full precision), so a step with
+  lr 0 keeps them (it used to write the old masters back);
+* ranks that build the same model with different settings deciding the collectives
+  (a bucket cap, a ZeRO stage, FSDP units) get one error naming the setting on every
+  rank, not a backend abort on mismatched message sizes.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -67,13 +74,47 @@ def _fsdp_weight_between_steps():
     return w.device.type, tuple(w.shape), repr(w)
 
 
+def _load_after_building(stage):
+    model = gs.DataParallel(mlp().float())
+    opt = gs.ZeroOptimizer(model, torch.optim.SGD, stage=stage,
+                           mixed_precision=gs.MixedPrecision(), lr=0.0)
+    pretrained = {k: v.float() for k, v in mlp(seed=7).state_dict().items()}
+    model.load_state_dict(pretrained)
+    x, y = dataset()
+    model.backward(mse(model(x[:4].float()).float(), y[:4].float()), num_items=4)
+    opt.step()
+    name_of = {id(p): n for n, p in model.module.named_parameters()}
+    masters = [([name_of[id(p)] for p in sh.bucket.params], sh.master.detach().clone())
+               for sh in opt.shards]
+    return ({k: v.float() for k, v in model.module.state_dict().items()}, pretrained,
+            masters)
+
+
+def _different_setups():
+    out = []
+    r = gs.rank()
+    for make in (lambda: gs.DataParallel(mlp(), bucket_cap_mb=25 if r == 0 else 1e-4),
+                 lambda: gs.ZeroOptimizer(gs.DataParallel(mlp()), torch.optim.SGD,
+                                          stage=1 + r, lr=0.1),
+                 lambda: gs.FullyShardedDataParallel(
+                     nn.Sequential(Block(), Block()).double(),
+                     wrap={Block} if r == 0 else {nn.Linear})):
+        try:
+            make()
+            out.append(None)
+        except gs.GradsyncError as e:
+            out.append(str(e))
+    return out
+
+
 _cache: dict = {}
 
 
 def _results(index):
     if not _cache:
         jobs = [(_clip, (True,)), (_clip, (False,)), (_errors, ()),
-                (_fsdp_weight_between_steps, ())]
+                (_fsdp_weight_between_steps, ()), (_different_setups, ()),
+                (_load_after_building, (1,)), (_load_after_building, (2,))]
         _cache["r"] = gs.spawn(run_jobs, 2, jobs, timeout_s=90)
     return job_results(_cache["r"], index)
 
@@ -94,3 +135,24 @@ def test_add_param_group_and_clip_on_an_optimizer_are_one_line_errors():
 def test_fsdp_weight_between_steps_is_a_meta_tensor_of_its_shape():
     for device, shape, text in _results(3):
         assert device == "meta" and shape == (5, 5) and "meta" in text
+
+
+def test_settings_that_differ_across_ranks_are_named_on_every_rank():
+    ranks = _results(4)
+    assert ranks[0] == ranks[1]
+    for msg, word in zip(ranks[0], ["bucket_cap_mb", "stage", "units"]):
+        assert msg and word in msg and "differs across ranks" in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("index", [5, 6], ids=["zero1", "zero2"])
+def test_bf16_zero_keeps_weights_loaded_after_it_was_built(index):
+    for now, pretrained, _masters in _results(index):
+        for k, v in pretrained.items():
+            assert torch.equal(now[k], v.bfloat16().float()), k  # the load, rounded once
+    ranks = _results(index)
+    pretrained = ranks[0][1]
+    for k, (names, _) in enumerate(ranks[0][2]):  # the masters are the fp32 values, unrounded
+        flat = torch.cat([r[2][k][1] for r in ranks])
+        expect = torch.cat([pretrained[n].reshape(-1) for n in names])
+        assert flat.dtype == torch.float32
+        assert torch.equal(flat[:expect.numel()], expect)

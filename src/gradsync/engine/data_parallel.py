@@ -30,7 +30,12 @@ from .bucket_layout import BucketAccess, BucketLayout, trainable_parameters
 from .bucketing import BucketSpec, mb_to_bytes
 from .ddp_compat import DDPMethods, accept_module_keys, resolve_ddp_keywords
 from .reduction import AllReduceBuckets, BucketReduction
-from .replicas import broadcast_module_state, comm_device, verify_same_structure
+from .replicas import (
+    broadcast_module_state,
+    comm_device,
+    verify_same_setup,
+    verify_same_structure,
+)
 from .sync_core import SyncedModule
 from .sync_protocol import Collected
 
@@ -87,6 +92,12 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
         self._comm_device = comm_device(group)
         if not _in_sync:  # a deepcopy of a replica is in sync already: no collectives
             verify_same_structure(module, group, what="DataParallel")
+            verify_same_setup({"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb,
+                               "find_unused_parameters": find_unused_parameters,
+                               "broadcast_buffers": broadcast_buffers,
+                               "collectives": collectives,
+                               "static_graph": ddp_keywords.get("static_graph", False)},
+                              group, what="DataParallel")
             broadcast_module_state(module, group)
         self._init_kwargs = dict(ddp_keywords, group=group, bucket_cap_mb=bucket_cap_mb,
                                  first_bucket_mb=first_bucket_mb,

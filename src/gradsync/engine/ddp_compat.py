@@ -157,7 +157,26 @@ class DDPMethods:
             kwargs["bucket_cap_mb"] = self.bucket_cap_bytes / 2**20
         return type(self)(copy.deepcopy(self.module, memo), _in_sync=True, **kwargs)
 
-    def __getstate__(self):
-        raise UsageError("a gradsync DataParallel cannot be pickled (its gradient hooks and "
-                         "process group belong to this process): save model.module, or "
-                         "model.state_dict()")
+    def __reduce_ex__(self, protocol):
+        """Pickling (``torch.save(model)``), as torch DDP's: the module and the settings
+        travel; unpickling wraps the module again on the default process group, which
+        must be initialised then (``gs.init()``). Not for a wrapper on another group, or
+        with a custom reduction (their state belongs to this process)."""
+        kwargs = dict(self._init_kwargs)
+        group = kwargs.pop("group")
+        kwargs.pop("process_group", None)
+        if (self._custom_reduction or self.collectives != "native"
+                or group not in (None, torch.distributed.group.WORLD)):
+            raise UsageError("this gradsync DataParallel cannot be pickled (a process group "
+                             "other than the default, or a custom reduction: ZeRO, a comm "
+                             "hook, compression): save model.module, or model.state_dict()")
+        if kwargs["bucket_cap_mb"] == "auto":
+            kwargs["bucket_cap_mb"] = self.bucket_cap_bytes / 2**20
+        return _unpickle_data_parallel, (type(self), self.module, kwargs)
+
+
+def _unpickle_data_parallel(cls, module, kwargs):
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise UsageError("unpickling a gradsync DataParallel wraps its module on the default "
+                         "process group: call gradsync.init() first (or save model.module)")
+    return cls(module, _in_sync=True, **kwargs)

@@ -49,7 +49,12 @@ from .fsdp_reduce import UnitReducer
 from .fsdp_state import full_state_dict, load_full_state_dict
 from .fsdp_units import build_units, first_names
 from .precision import MixedPrecision, cast_inputs_hook
-from .replicas import broadcast_module_state, comm_device, verify_same_structure
+from .replicas import (
+    broadcast_module_state,
+    comm_device,
+    verify_same_setup,
+    verify_same_structure,
+)
 from .shard_comm import ShardComm
 from .sync_core import SyncedModule
 from .sync_protocol import Collected, tensors_in
@@ -98,8 +103,13 @@ class FullyShardedDataParallel(SyncedModule):
         verify_same_structure(module, group, what="FullyShardedDataParallel")
         broadcast_module_state(module, group)
         self.original_keys = list(module.state_dict().keys())
+        names = {id(m): n for n, m in module.named_modules()}
         self._units = build_units(module, wrap, self.world, self.rank,
                                   mixed_precision.param_dtype if mixed_precision else None)
+        verify_same_setup({"units (module, parameter sizes)": [
+            (names[id(u.module)], u.layout.numels) for u in self._units],
+            "mixed_precision": mixed_precision, "hybrid": self.topology is not None},
+            group, what="FullyShardedDataParallel")
         self.shards = nn.ParameterList([t for u in self._units for t in u.view.tensors])
         self._slots = [(u, k) for u in self._units for k in range(len(u.shapes))]
         self._names = [n for u in self._units for n in first_names(module, u)]

@@ -75,9 +75,9 @@ def first_mismatch(listings: list[list]) -> str | None:
     return None
 
 
-def verify_same_structure(module: nn.Module, group=None, what: str = "DataParallel") -> None:
-    """Raise ReplicaMismatchError on every rank if any rank's model differs."""
-    rows = structure(module, ignored_names(module))
+def _listings_if_different(rows: list, group) -> list | None:
+    """Every rank's ``rows`` when some rank's differ (one digest all-gather when they
+    agree, the full listings only when they do not); None when all agree."""
     digest = hashlib.sha256(repr(rows).encode()).digest()
     dev = comm_device(group)
     mine = torch.tensor(list(digest), dtype=torch.uint8, device=dev)
@@ -86,11 +86,38 @@ def verify_same_structure(module: nn.Module, group=None, what: str = "DataParall
     comm.all_gather_single(everyone, mine, group=group, tag="verify")
     digests = everyone.view(world, -1).cpu()
     if bool((digests == digests[0]).all()):
-        return
+        return None
     listings: list = [None] * world
     dist.all_gather_object(listings, rows, group=group)
-    detail = first_mismatch(listings) or "structure digests differ"
-    raise ReplicaMismatchError(f"{what}: {detail}")
+    return listings
+
+
+def verify_same_structure(module: nn.Module, group=None, what: str = "DataParallel") -> None:
+    """Raise ReplicaMismatchError on every rank if any rank's model differs."""
+    listings = _listings_if_different(structure(module, ignored_names(module)), group)
+    if listings is not None:
+        detail = first_mismatch(listings) or "structure digests differ"
+        raise ReplicaMismatchError(f"{what}: {detail}")
+
+
+def verify_same_setup(settings: dict, group=None, what: str = "DataParallel") -> None:
+    """Raise ReplicaMismatchError on every rank if any rank's settings differ.
+
+    Settings that decide the collectives (bucket caps, a ZeRO stage, FSDP's units):
+    ranks built differently would exchange messages of different sizes, which the
+    backend reports as an abort or a hang, not as the setting that differed.
+    """
+    rows = [(k, repr(v)) for k, v in settings.items()]
+    listings = _listings_if_different(rows, group)
+    if listings is None:
+        return
+    for i, (key, value) in enumerate(listings[0]):
+        others = [(r, rows_r[i][1]) for r, rows_r in enumerate(listings) if rows_r[i][1] != value]
+        if others:
+            theirs = "; ".join(f"rank {r}: {v}" for r, v in others)
+            raise ReplicaMismatchError(f"{what}: {key} differs across ranks (rank 0: {value}; "
+                                       f"{theirs}); build it the same way on every rank")
+    raise ReplicaMismatchError(f"{what}: settings differ across ranks")
 
 
 def _chunks(tensors: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:

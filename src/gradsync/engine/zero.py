@@ -45,6 +45,7 @@ from .data_parallel import DataParallel
 from .param_groups import assign_pieces, check_param_groups
 from .precision import MixedPrecision, cast_inputs_hook, master_dtype
 from .reduction import BucketReduction
+from .replicas import verify_same_setup
 from .shard_comm import ShardComm
 from .shard_view import ShardView
 from .sharding import FlatShard
@@ -94,12 +95,28 @@ class _Shard:
             self.master = full[self.start:self.end].clone()
         self.view = ShardView(self.master, self.layout, rank)
         self.grad: torch.Tensor | None = None  # this rank's slice of the synced gradient
+        self.separate_master = master_dtype(p0.dtype) != p0.dtype
         self.has_grad = [False] * len(bucket.params)  # per parameter of the bucket
         self.aside: tuple[torch.Tensor, list[bool]] | None = None  # from before the window
         self.reduced: torch.Tensor | None = None  # during a sync: the reduced slice
         self.src: torch.Tensor | None = None  # during a sync: the buffer being reduced
         self.pending = None  # during a sync: the reduction in flight
         self.partial: torch.Tensor | None = None  # stage 2: reduced slice, not yet divided
+
+    def load_master(self, values: dict[int, torch.Tensor]) -> None:
+        """This rank's master slice from full-precision values (``id(param)`` -> tensor)
+        of the bucket's parameters; a parameter without a value keeps its master."""
+        offset = 0
+        with torch.no_grad():
+            for p in self.bucket.params:
+                n = p.numel()
+                lo, hi = max(offset, self.start), min(offset + n, self.end)
+                v = values.get(id(p))
+                if v is not None and lo < hi:
+                    flat = v.detach().reshape(-1).to(self.master.dtype)
+                    mine = self.master[lo - self.start:hi - self.start]
+                    mine.copy_(flat[lo - offset:hi - offset])
+                offset += n
 
 
 class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
@@ -144,6 +161,10 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
         if collectives == "auto" and getattr(model, "collectives", "native") == "hierarchical":
             collectives = "hierarchical"  # follow the DataParallel it wraps
         self.comm = ShardComm.for_group(self.group, collectives, getattr(model, "topology", None))
+        verify_same_setup({"stage": stage, "optimizer": getattr(optimizer_class, "__name__",
+                                                                 repr(optimizer_class)),
+                           "mixed_precision": mixed_precision, "collectives": collectives},
+                          self.group, what="ZeroOptimizer")
         name = {id(p): n for n, p in model._optimizer_pieces()}
         group_of = (check_param_groups(param_groups, list(name.values()), name, "ZeroOptimizer")
                     if param_groups is not None else None)  # before anything changes
@@ -168,6 +189,20 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
         self.param_groups = self.optimizer.param_groups  # one truth: the inner optimizer's
         self.state = self.optimizer.state
         self._synced = False
+        if any(sh.separate_master for sh in self._shards):  # weights loaded after building
+            model.module.register_load_state_dict_pre_hook(self._masters_from_state_dict)
+
+    def _masters_from_state_dict(self, _module, state_dict, prefix, *_rest) -> None:
+        """With a separate master copy (bf16 parameters, fp32 masters), weights loaded into
+        the model after the optimizer was built must reach the masters too, from the
+        loaded full-precision values (not their rounded copy), or the next step would
+        write the old masters back."""
+        name_of = {id(p): n for n, p in self.model._optimizer_pieces()}
+        for sh in self._shards:
+            if sh.separate_master:
+                sh.load_master({id(p): state_dict[prefix + name_of[id(p)]]
+                                for p in sh.bucket.params
+                                if prefix + name_of.get(id(p), "\0") in state_dict})
 
     def add_param_group(self, param_group) -> None:
         """torch's, while the optimizer is built; afterwards an error: the shards are cut
