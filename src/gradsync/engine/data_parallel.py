@@ -23,6 +23,7 @@ from torch import nn
 
 from ..errors import UsageError
 from . import tracing
+from .accumulators import hook_accumulators
 from .algorithm_buckets import AlgorithmBuckets
 from .arrivals import Arrivals
 from .autotune import BucketAutotuner
@@ -125,31 +126,9 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
         self._install(self._layout.plan())
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(self._params)]
-        self._hooks += self._hook_accumulators()
+        self._accumulators, handles = hook_accumulators(self._params, self._pass_may_start)
+        self._hooks += handles
         self._register_load_state_dict_pre_hook(accept_module_keys)
-
-    def _hook_accumulators(self) -> list:
-        """Start a pass before autograd accumulates the first gradient of a backward.
-
-        The first post-accumulate hook is too late when it starts the pass: that
-        parameter's ``.grad`` already holds this pass's gradient, which would be set
-        aside as if held from before (a parameter used only in the loss, outside
-        forward, can be reached before any output). A pre-hook on each gradient
-        accumulator (held here, as torch DDP holds them) runs first.
-        """
-        def before(_grad_outputs):
-            if not self._in_pass:
-                self._start_pass()
-
-        handles = []
-        self._accumulators = []
-        with torch.enable_grad():
-            for p in self._params:
-                if p.requires_grad:
-                    acc = p.view_as(p).grad_fn.next_functions[0][0]
-                    self._accumulators.append(acc)
-                    handles.append(acc.register_prehook(before))
-        return handles
 
     # ------------------------------------------------------------------ layout
     def _install(self, specs: list[BucketSpec]) -> None:
@@ -196,6 +175,11 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
 
     def _trainable(self) -> list[bool]:
         return [p.requires_grad for p in self._params]
+
+    def _pass_may_start(self) -> None:
+        """Before a gradient is accumulated (``accumulators.py``)."""
+        if not self._in_pass:
+            self._start_pass()
 
     def _set_aside(self) -> None:
         self._reduction.set_aside()
