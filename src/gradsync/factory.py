@@ -1,6 +1,6 @@
 """``module:factory`` specs: how every command names a user's own model or data.
 
-``gradsync plan memory --model``, ``gradsync calibrate --model`` and ``gradsync
+``gradsync plan memory MODEL``, ``gradsync calibrate --model`` and ``gradsync
 train --model/--data`` all take ``pkg.module:factory``: the module is imported as
 ``python -m`` would (the current directory is importable) and ``factory`` is a
 callable in it. Kept outside ``plan/`` and ``train/`` so either may use it without

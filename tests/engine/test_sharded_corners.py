@@ -90,6 +90,29 @@ def _load_after_building(stage):
             masters)
 
 
+def _bf16_batchnorm(kind):
+    """A BatchNorm model in bf16 on every strategy: its running statistics follow the
+    weight into the compute dtype (fp32 statistics beside a bf16 weight are an error)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    mp = gs.MixedPrecision()
+    if kind == "fsdp":
+        model = gs.FullyShardedDataParallel(net, mixed_precision=mp)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        model = gs.DataParallel(net)
+        opt = (gs.MixedPrecisionOptimizer(model, torch.optim.SGD, mp, lr=0.1) if kind == "ddp"
+               else gs.ZeroOptimizer(model, torch.optim.SGD, stage=2, mixed_precision=mp,
+                                     lr=0.1))
+    for step in range(2):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step + 10 * gs.rank()))
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [(b.dtype, bool(torch.isfinite(b.float()).all())) for b in net.buffers()
+            if b.is_floating_point()]
+
+
 def _different_setups():
     out = []
     r = gs.rank()
@@ -114,7 +137,9 @@ def _results(index):
     if not _cache:
         jobs = [(_clip, (True,)), (_clip, (False,)), (_errors, ()),
                 (_fsdp_weight_between_steps, ()), (_different_setups, ()),
-                (_load_after_building, (1,)), (_load_after_building, (2,))]
+                (_load_after_building, (1,)), (_load_after_building, (2,)),
+                (_bf16_batchnorm, ("ddp",)), (_bf16_batchnorm, ("zero2",)),
+                (_bf16_batchnorm, ("fsdp",))]
         _cache["r"] = gs.spawn(run_jobs, 2, jobs, timeout_s=90)
     return job_results(_cache["r"], index)
 
@@ -156,3 +181,9 @@ def test_bf16_zero_keeps_weights_loaded_after_it_was_built(index):
         expect = torch.cat([pretrained[n].reshape(-1) for n in names])
         assert flat.dtype == torch.float32
         assert torch.equal(flat[:expect.numel()], expect)
+
+
+@pytest.mark.parametrize("index", [7, 8, 9], ids=["ddp", "zero2", "fsdp"])
+def test_bf16_trains_a_batchnorm_model(index):
+    for buffers in _results(index):
+        assert buffers and all(d == torch.bfloat16 and ok for d, ok in buffers)

@@ -7,9 +7,11 @@ integer targets are cross-entropy classes, and the item is a target that is not
 holds one label (classification: the throughput must not read "tokens/s").
 """
 
+import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from gradsync.errors import UsageError
 from gradsync.train.task import TrainData, complete
 
 
@@ -44,3 +46,30 @@ def test_floating_targets_are_a_regression_counted_in_samples():
 def test_a_name_given_is_kept():
     d = _data(torch.randn(3, 4), torch.tensor([0, 1, 2]), item_name="images")
     assert d.item_name == "images"
+
+
+def test_integer_labels_of_any_width_train_with_the_default_loss():
+    """Labels from numpy are often int32; cross-entropy wants int64: converted."""
+    y64 = torch.tensor([0, 1, 2, 1])
+    d = _data(torch.randn(4, 4), y64.int())
+    x, y = d.collate_fn([d.train[i] for i in range(4)])
+    assert y.dtype == torch.int32
+    logits = torch.randn(4, 3)
+    assert torch.equal(d.loss_fn(logits, y), torch.nn.functional.cross_entropy(logits, y64))
+
+
+def test_regression_output_of_n_by_1_against_n_targets_is_not_broadcast():
+    d = _data(torch.randn(5, 4), torch.randn(5))
+    x, y = d.collate_fn([d.train[i] for i in range(5)])
+    pred = torch.randn(5, 1)
+    assert torch.equal(d.loss_fn(pred, y), torch.nn.functional.mse_loss(pred[:, 0], y))
+    with pytest.raises(UsageError, match="same shape"):
+        d.loss_fn(torch.randn(5, 2), y)
+
+
+def test_default_loss_errors_name_what_is_wrong():
+    d = _data(torch.randn(4, 4), torch.tensor([0, 1, 2, 1]))
+    with pytest.raises(UsageError, match=r"keys \['hidden'\].*logits"):
+        d.loss_fn({"hidden": torch.randn(4, 3)}, torch.tensor([0, 1, 2, 1]))
+    with pytest.raises(UsageError, match="boolean targets"):
+        d.loss_fn(torch.randn(4, 3), torch.tensor([True, False, True, False]))

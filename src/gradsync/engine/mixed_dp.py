@@ -15,7 +15,7 @@ import torch
 from ..errors import UsageError
 from .data_parallel import DataParallel
 from .memory import MemoryReport, held, optimizer_bytes
-from .precision import MixedPrecision, cast_inputs_hook
+from .precision import MixedPrecision, cast_buffers_, cast_inputs_hook
 from .reduction import AllReduceBuckets
 
 
@@ -38,6 +38,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             for p in model.module.parameters():
                 if p.is_floating_point():
                     p.data = p.data.to(mp.param_dtype)
+        cast_buffers_(model.module, mp.param_dtype)
         if mp.cast_inputs:
             model.module.register_forward_pre_hook(cast_inputs_hook(mp.param_dtype),
                                                    with_kwargs=True)

@@ -58,6 +58,19 @@ def _cast(obj, dtype):
     return obj
 
 
+def cast_buffers_(module: nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point buffers to the compute dtype, in place (the same tensor objects).
+
+    BatchNorm's kernels want its running statistics in the dtype of its weight, which
+    mixed precision casts: fp32 statistics beside a bf16 weight are an error. They are
+    kept in the compute dtype, as the parameters the forward sees are.
+    """
+    with torch.no_grad():
+        for b in module.buffers():
+            if b.is_floating_point() and b.dtype != dtype:
+                b.data = b.data.to(dtype)
+
+
 def cast_inputs_hook(dtype: torch.dtype):
     """A forward pre-hook (with kwargs) casting floating-point inputs to ``dtype``."""
     def hook(module: nn.Module, args, kwargs):

@@ -43,7 +43,7 @@ from ..errors import UsageError
 from .clip import clip_grad_norm_
 from .data_parallel import DataParallel
 from .param_groups import assign_pieces, check_param_groups
-from .precision import MixedPrecision, cast_inputs_hook, master_dtype
+from .precision import MixedPrecision, cast_buffers_, cast_inputs_hook, master_dtype
 from .reduction import BucketReduction
 from .replicas import verify_same_setup
 from .shard_comm import ShardComm
@@ -174,6 +174,7 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
                 for p in model.parameters():
                     if p.is_floating_point():
                         p.data = p.data.to(mixed_precision.param_dtype)
+            cast_buffers_(model.module, mixed_precision.param_dtype)
             if mixed_precision.cast_inputs:
                 model.module.register_forward_pre_hook(
                     cast_inputs_hook(mixed_precision.param_dtype), with_kwargs=True)

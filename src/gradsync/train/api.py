@@ -20,6 +20,7 @@ import dataclasses
 import os
 import re
 import socket
+import sys
 
 import torch.distributed as dist
 
@@ -141,6 +142,11 @@ def train(config: TrainConfig | dict | None = None, model=None, data=None, *,
     Returns None when the run directory held a finished run (nothing is done),
     on ranks other than 0, or after an injected stop.
     """
+    caller = sys._getframe(1)
+    if caller.f_code.co_name == "<module>" and caller.f_globals.get("__name__") == "__mp_main__":
+        # a worker re-importing the caller's script (forkserver/spawn) reached this call
+        raise UsageError("gs.train() was called again inside a worker, from the script's "
+                         "top level: call it under `if __name__ == \"__main__\":`")
     cfg, model_fn, data_fn = _config(config, model, data, overrides)
     if dist.is_initialized():
         from .loop import run_worker

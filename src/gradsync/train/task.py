@@ -9,7 +9,7 @@ sample otherwise. The built-in models and datasets, and the user's own through
 The factories' contracts (also in the README and ``examples/``):
 
 * model factory: ``factory() -> torch.nn.Module``, no arguments (the same
-  contract as ``gradsync plan memory --model`` and ``gradsync calibrate``). It
+  contract as ``gradsync plan memory MODEL`` and ``gradsync calibrate``). It
   runs on every worker after ``torch.manual_seed(--seed)``; the engine then
   broadcasts rank 0's values, so every replica starts identical anyway. The
   module's own dtype is kept (``--precision fp32`` means "no mixed precision").
@@ -90,18 +90,34 @@ IGNORE_INDEX = -100
 def _logits(output):
     """The tensor a default loss reads: transformers' ModelOutput (or a dict) through its
     ``logits``, anything else as it is."""
-    return output["logits"] if isinstance(output, Mapping) else getattr(output, "logits", output)
+    if isinstance(output, Mapping):
+        if "logits" not in output:
+            raise UsageError(f"the model returned a dict with keys {sorted(output)}; the default "
+                             "loss reads 'logits': return it, or give TrainData a loss_fn")
+        return output["logits"]
+    return getattr(output, "logits", output)
 
 
 def _lm_loss(output, targets):
-    """The mean over every target that is not IGNORE_INDEX."""
+    """The mean over every target that is not IGNORE_INDEX (integer targets of any
+    width: labels from numpy are often int32)."""
     logits = _logits(output)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+    if targets.dtype == torch.bool:
+        raise UsageError("boolean targets: give class indices (integers) or float targets")
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long(),
                            ignore_index=IGNORE_INDEX)
 
 
 def _mse_loss(output, targets):
-    return F.mse_loss(_logits(output), targets)
+    pred = _logits(output)
+    if pred.shape != targets.shape:
+        if pred.numel() == targets.numel() and pred.shape[:1] == targets.shape[:1]:
+            pred = pred.reshape(targets.shape)  # (N, 1) against (N,): the same values
+        else:  # broadcasting would silently train on every pair of rows
+            raise UsageError(f"the model's output has shape {tuple(pred.shape)} and the "
+                             f"targets {tuple(targets.shape)}: the default mean squared error "
+                             "needs the same shape (or give TrainData a loss_fn)")
+    return F.mse_loss(pred, targets)
 
 
 def _stack(samples):
