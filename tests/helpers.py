@@ -203,3 +203,18 @@ class ShardOptimizer:
 
     def zero_grad(self):
         self.opt.zero_grad()
+
+
+def errors_of(*makers) -> list:
+    """Call each maker; its GradsyncError's message, or None when it raised nothing (bad-input
+    tests collect these on every rank and compare them)."""
+    import gradsync as gs
+
+    out = []
+    for make in makers:
+        try:
+            make()
+            out.append(None)
+        except gs.GradsyncError as e:
+            out.append(str(e))
+    return out

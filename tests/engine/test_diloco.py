@@ -23,7 +23,16 @@ import gradsync as gs
 from gradsync.engine import comm
 from gradsync.engine.diloco import local_sgd_outer_optimizer
 from gradsync.engine.diloco_fragments import split_parameters
-from tests.helpers import dataset, job_results, max_gap, mlp, mse, run_jobs, uneven_schedule
+from tests.helpers import (
+    dataset,
+    errors_of,
+    job_results,
+    max_gap,
+    mlp,
+    mse,
+    run_jobs,
+    uneven_schedule,
+)
 
 LR = 0.05
 TOL = 1e-12
@@ -151,24 +160,18 @@ def _bad_input():
     """Every rank raises the same one-line error; no rank hangs."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    errors = []
-    for make in (lambda: gs.DiLoCo(model, opt, sync_every=0),
-                 lambda: gs.DiLoCo(model, "sgd"),
-                 lambda: gs.DiLoCo(model, opt, compress="zip"),
-                 lambda: gs.StreamingDiLoCo(model, opt, sync_every=4, delay=4),
-                 lambda: gs.StreamingDiLoCo(model, opt, alpha=1.0),
-                 lambda: gs.StreamingDiLoCo(model, opt, fragments=99),
-                 lambda: gs.DiLoCo(mlp(hidden=12 + gs.rank()), opt),
-                 lambda: gs.DiLoCo(model, opt).step(num_items=-1),
-                 lambda: gs.DiLoCo(model, opt, sync_every=3).load_state_dict(
-                     gs.DiLoCo(model, opt, sync_every=4).state_dict()),
-                 lambda: gs.DiLoCo(model, opt, torch.optim.SGD(list(model.parameters())[:1]))):
-        try:
-            make()
-            errors.append(None)
-        except gs.GradsyncError as e:
-            errors.append(str(e))
-    return errors
+    return errors_of(lambda: gs.DiLoCo(model, opt, sync_every=0),
+                     lambda: gs.DiLoCo(model, "sgd"),
+                     lambda: gs.DiLoCo(model, opt, compress="zip"),
+                     lambda: gs.StreamingDiLoCo(model, opt, sync_every=4, delay=4),
+                     lambda: gs.StreamingDiLoCo(model, opt, alpha=1.0),
+                     lambda: gs.StreamingDiLoCo(model, opt, fragments=99),
+                     lambda: gs.DiLoCo(mlp(hidden=12 + gs.rank()), opt),
+                     lambda: gs.DiLoCo(model, opt).step(num_items=-1),
+                     lambda: gs.DiLoCo(model, opt, sync_every=3).load_state_dict(
+                         gs.DiLoCo(model, opt, sync_every=4).state_dict()),
+                     lambda: gs.DiLoCo(model, opt,
+                                       torch.optim.SGD(list(model.parameters())[:1])))
 
 
 # ---------------------------------------------------------------- single-process references

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from tests.helpers import dataset, job_results, mlp, mse, run_jobs
+from tests.helpers import dataset, errors_of, job_results, mlp, mse, run_jobs
 
 
 def _clip(target_is_model: bool):
@@ -40,18 +40,11 @@ def _clip(target_is_model: bool):
 
 
 def _errors():
-    out = []
     model = gs.DataParallel(mlp())
     opt = gs.ZeroOptimizer(model, torch.optim.SGD, stage=1, lr=0.1)
     extra = nn.Parameter(torch.zeros(3, dtype=torch.float64))
-    for make in (lambda: opt.add_param_group({"params": [extra]}),
-                 lambda: gs.clip_grad_norm_(torch.optim.SGD([extra], lr=0.1), 1.0)):
-        try:
-            make()
-            out.append(None)
-        except gs.UsageError as e:
-            out.append(str(e))
-    return out
+    return errors_of(lambda: opt.add_param_group({"params": [extra]}),
+                     lambda: gs.clip_grad_norm_(torch.optim.SGD([extra], lr=0.1), 1.0))
 
 
 class Block(nn.Module):
@@ -114,20 +107,13 @@ def _bf16_batchnorm(kind):
 
 
 def _different_setups():
-    out = []
     r = gs.rank()
-    for make in (lambda: gs.DataParallel(mlp(), bucket_cap_mb=25 if r == 0 else 1e-4),
-                 lambda: gs.ZeroOptimizer(gs.DataParallel(mlp()), torch.optim.SGD,
-                                          stage=1 + r, lr=0.1),
-                 lambda: gs.FullyShardedDataParallel(
-                     nn.Sequential(Block(), Block()).double(),
-                     wrap={Block} if r == 0 else {nn.Linear})):
-        try:
-            make()
-            out.append(None)
-        except gs.GradsyncError as e:
-            out.append(str(e))
-    return out
+    return errors_of(lambda: gs.DataParallel(mlp(), bucket_cap_mb=25 if r == 0 else 1e-4),
+                     lambda: gs.ZeroOptimizer(gs.DataParallel(mlp()), torch.optim.SGD,
+                                              stage=1 + r, lr=0.1),
+                     lambda: gs.FullyShardedDataParallel(
+                         nn.Sequential(Block(), Block()).double(),
+                         wrap={Block} if r == 0 else {nn.Linear}))
 
 
 _cache: dict = {}

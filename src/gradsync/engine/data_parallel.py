@@ -91,19 +91,16 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
         if not first_bucket_mb > 0:
             raise UsageError(f"first_bucket_mb must be > 0, got {first_bucket_mb!r}")
         self._comm_device = comm_device(group)
+        settings = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
+                        find_unused_parameters=find_unused_parameters,
+                        broadcast_buffers=broadcast_buffers)
         if not _in_sync:  # a deepcopy of a replica is in sync already: no collectives
             verify_same_structure(module, group, what="DataParallel")
-            verify_same_setup({"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb,
-                               "find_unused_parameters": find_unused_parameters,
-                               "broadcast_buffers": broadcast_buffers,
-                               "collectives": collectives,
+            verify_same_setup({**settings, "collectives": collectives,
                                "static_graph": ddp_keywords.get("static_graph", False)},
                               group, what="DataParallel")
             broadcast_module_state(module, group)
-        self._init_kwargs = dict(ddp_keywords, group=group, bucket_cap_mb=bucket_cap_mb,
-                                 first_bucket_mb=first_bucket_mb,
-                                 find_unused_parameters=find_unused_parameters,
-                                 broadcast_buffers=broadcast_buffers)
+        self._init_kwargs = dict(ddp_keywords, group=group, **settings)  # to wrap copies
 
         self._params, self._names, self._specs = trainable_parameters(module)
         tuner = None

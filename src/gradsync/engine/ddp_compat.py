@@ -143,35 +143,38 @@ class DDPMethods:
     def require_backward_grad_sync(self, value: bool) -> None:
         self._require_sync = bool(value)
 
+    def _rewrap_kwargs(self, what: str) -> dict:
+        """The settings that wrap a copy of the module again (deepcopy, pickling): the
+        bucket cap 'auto' chose, not 'auto'. A custom reduction (ZeRO, a comm hook,
+        compression) or reference collectives keep state of this process: refused."""
+        if self._custom_reduction or self.collectives != "native":
+            raise UsageError(f"{what} of a DataParallel with a custom reduction (ZeRO, a comm "
+                             "hook, compression) or reference collectives is not supported: "
+                             "copy or save model.module and wrap it on every rank")
+        kwargs = dict(self._init_kwargs)
+        if kwargs["bucket_cap_mb"] == "auto":
+            kwargs["bucket_cap_mb"] = self.bucket_cap_bytes / 2**20
+        return kwargs
+
     def __deepcopy__(self, memo):
         """A working copy, as torch DDP's: the module deep-copied and wrapped again on the
         same process group and settings. No collectives (the copy is of a replica
         already in sync), so one rank may copy alone, e.g. for an EMA or an evaluation
         model; training the copy synchronises it like the original."""
-        if self._custom_reduction or self.collectives != "native":
-            raise UsageError("deepcopy of a DataParallel with a custom reduction (ZeRO, a comm "
-                             "hook, compression) or reference collectives is not supported: "
-                             "copy model.module and wrap the copy on every rank")
-        kwargs = dict(self._init_kwargs)
-        if kwargs["bucket_cap_mb"] == "auto":
-            kwargs["bucket_cap_mb"] = self.bucket_cap_bytes / 2**20
+        kwargs = self._rewrap_kwargs("deepcopy")
         return type(self)(copy.deepcopy(self.module, memo), _in_sync=True, **kwargs)
 
     def __reduce_ex__(self, protocol):
         """Pickling (``torch.save(model)``), as torch DDP's: the module and the settings
         travel; unpickling wraps the module again on the default process group, which
-        must be initialised then (``gs.init()``). Not for a wrapper on another group, or
-        with a custom reduction (their state belongs to this process)."""
-        kwargs = dict(self._init_kwargs)
+        must be initialised then (``gs.init()``)."""
+        kwargs = self._rewrap_kwargs("pickling")
         group = kwargs.pop("group")
         kwargs.pop("process_group", None)
-        if (self._custom_reduction or self.collectives != "native"
-                or group not in (None, torch.distributed.group.WORLD)):
-            raise UsageError("this gradsync DataParallel cannot be pickled (a process group "
-                             "other than the default, or a custom reduction: ZeRO, a comm "
-                             "hook, compression): save model.module, or model.state_dict()")
-        if kwargs["bucket_cap_mb"] == "auto":
-            kwargs["bucket_cap_mb"] = self.bucket_cap_bytes / 2**20
+        if group not in (None, torch.distributed.group.WORLD):
+            raise UsageError("a gradsync DataParallel on a process group other than the "
+                             "default cannot be pickled: save model.module, or "
+                             "model.state_dict()")
         return _unpickle_data_parallel, (type(self), self.module, kwargs)
 
 

@@ -67,9 +67,8 @@ class UnitGatherer:
             u.gather_pending = None
         u.kept = False
         u.full.untyped_storage().resize_(0)
-        for mod, attr, k in u.slots:  # never a view of freed storage (reading one crashes):
-            # a meta tensor keeps shape and dtype, and any computation with it is an error
-            setattr(mod, attr, torch.empty(u.shapes[k], dtype=u.full.dtype, device="meta"))
+        for mod, attr, k in u.slots:
+            setattr(mod, attr, u.freed[k])
 
     def prefetch_after(self, u: FlatUnit, backward: bool, root: torch.nn.Module) -> None:
         seq = self.units[::-1] if backward else self.units

@@ -34,6 +34,9 @@ class FlatUnit:
         self.shard = flat[start:end].clone()  # this rank's master slice (flat)
         self.view = ShardView(self.shard, self.layout, rank, as_parameter=True)
         self.full = torch.zeros(self.layout.padded, dtype=dtype, requires_grad=True)
+        # what the module attributes hold while the unit is freed: never a view of freed
+        # storage (reading one crashes); shape and dtype kept, computing with it an error
+        self.freed = [torch.empty(s, dtype=dtype, device="meta") for s in self.shapes]
         self.full.untyped_storage().resize_(0)
         self.gather_pending = None  # the Pending gather while one is in flight
         self.acc: torch.Tensor | None = None  # unsharded gradient under no_sync
@@ -143,9 +146,9 @@ def build_units(module: nn.Module, wrap, world: int, rank: int,
         us = [(mod, attr, k) for k, i in enumerate(pids) for mod, attr in slots[i]]
         units.append(FlatUnit(len(units), m, plist, us, world, rank,
                            dtype or plist[0].dtype))
-        for mod, attr, _k in us:
+        for mod, attr, k in us:
             del mod._parameters[attr]
-            setattr(mod, attr, None)
+            setattr(mod, attr, units[-1].freed[k])
     return units
 
 
