@@ -199,6 +199,31 @@ def _data_parallel(spec, steps=4):
     return out
 
 
+def _int8_block(block):
+    """int8 with a block size that is not a multiple of 4: segments stay aligned."""
+    return _one_call("int8", torch.float32, 1.0, block=block)
+
+
+def _nonfinite(spec, steps=3):
+    """Rank 0's first contribution holds a NaN and an inf; the later ones are finite.
+    Per call: (result, exact float64 sum)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shapes = [torch.Size([32, 24]), torch.Size([24])]
+    n = 32 * 24 + 24
+    kw = {"error_feedback": True} if spec == "bf16" else {}
+    c = _make(spec, **kw)
+    out = []
+    for t in range(steps):
+        xs = [torch.randn(n, generator=torch.Generator().manual_seed(90 + 5 * t + r))
+              for r in range(world)]
+        if t == 0:
+            xs[0][3], xs[0][500] = math.nan, math.inf
+        y = xs[rank].clone()
+        c.all_reduce_(0, y, shapes)
+        out.append((y, sum(x.double() for x in xs)))
+    return out
+
+
 SPECS = ["bf16", "fp16", "int8", "powersgd:1", "powersgd:2"]
 
 
@@ -213,7 +238,13 @@ def _jobs(world):
         jobs += [(_low_rank_exact, (2,)), (_versus_torch_hook, (1,)), (_versus_torch_hook, (2,))]
         jobs += [(_resume, (s,)) for s in ("int8", "powersgd:1")]
         jobs += [(_data_parallel, (s,)) for s in ("int8", "powersgd:1")]
+        jobs += [(_nonfinite, (s,)) for s in ("bf16", "int8", "powersgd:1")]
+    jobs += [(_int8_block, (b,)) for b in (7, 1, 130)]
     return jobs
+
+
+def _index(world, fn, args):
+    return _jobs(world).index((fn, args))
 
 
 _cache: dict = {}
@@ -359,6 +390,45 @@ def test_data_parallel_with_compressed_buckets(index, spec):
             assert cos > (0.999 if spec == "int8" else 0.5), cos
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("block", [7, 1, 130])
+def test_int8_any_block_size_is_bitwise_identical_and_within_its_bound(world, block):
+    """Segments of every slice lie back to back in one buffer; blocks that are not a
+    multiple of 4 bytes once made the next segment's float32 scales unaligned (a crash)."""
+    res = _results(world, _index(world, _int8_block, (block,)))
+    xs = [x[:N].double() for x, _, _ in res]
+    exact = sum(xs)
+    for r, (x, y, _) in enumerate(res):
+        assert torch.equal(y[:N], res[0][1][:N]), f"rank {r} differs"
+        assert torch.equal(y[N:], x[N:]), f"padding touched on rank {r}"
+    nb = -(-N // block)
+
+    def amax(v):
+        padded = torch.zeros(nb * block, dtype=torch.float64)
+        padded[:N] = v.abs()
+        return padded.view(nb, block).amax(dim=1).repeat_interleave(block)[:N]
+
+    bound = sum(amax(v) for v in xs) / 254 + amax(exact) * 1.01 / 254
+    assert bool(((res[0][1][:N].double() - exact).abs() <= bound * (1 + 1e-6) + 1e-30).all())
+
+
+@pytest.mark.parametrize("spec", ["bf16", "int8", "powersgd:1"])
+def test_a_nonfinite_step_does_not_poison_the_next_ones(spec):
+    """Error feedback carries a step's loss into the next: a NaN gradient once made every
+    later reduction NaN (with --on-nonfinite skip-step, every later step skipped). The bad
+    step stays non-finite; the next ones are finite, within their usual error, the same on
+    every rank."""
+    res = _results(2, _index(2, _nonfinite, (spec,)))
+    for t in range(3):
+        torch.testing.assert_close(res[0][t][0], res[1][t][0], rtol=0, atol=0, equal_nan=True)
+    assert not torch.isfinite(res[0][0][0]).all()
+    for t in (1, 2):
+        y, exact = res[0][t]
+        assert torch.isfinite(y).all(), f"{spec}: call {t} still non-finite"
+        cos, rel = gradient_distance(y, exact)
+        assert cos > (0.99 if spec != "powersgd:1" else 0.1), (t, cos, rel)
+
+
 # ---------------------------------------------------------------- single process
 def test_parse_compression():
     assert parse_compression("none") is None and parse_compression(None) is None
@@ -435,6 +505,9 @@ def test_gradient_distance_and_bad_input():
     assert gradient_distance(torch.zeros(2), torch.zeros(2)) == (1.0, 0.0)
     with pytest.raises(gs.UsageError, match="only 4"):
         Int8Compressor().all_reduce_(7, torch.zeros(4), [torch.Size([5])])
+    for key in ("bucket", -1, True, 1.5):
+        with pytest.raises(gs.UsageError, match="key must be an int"):
+            Int8Compressor().all_reduce_(key, torch.zeros(4), [torch.Size([4])])
     with pytest.raises(gs.UsageError, match="floating point"):
         Int8Compressor().all_reduce_(7, torch.zeros(4, dtype=torch.int64), [torch.Size([4])])
     with pytest.raises(gs.UsageError, match="cannot load"):

@@ -11,6 +11,7 @@ stays as it was. Mount tests skip, with the reason, where mounting is not allowe
 
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -117,6 +118,20 @@ def test_skip_step_drops_the_update_on_every_rank_and_takes_a_stale_lock(tmp_pat
     rows = [json.loads(x) for x in (skipped / "metrics.jsonl").read_text().splitlines()]
     assert [m["skipped"] for m in rows] == [False, False, True, False, False]
     assert rows[2]["loss"] is None  # NaN is written as null
+
+
+@pytest.mark.parametrize("compress", ["int8", "powersgd:1"])
+def test_skip_step_with_error_feedback_skips_only_the_bad_step(tmp_path, compress):
+    """A compressor's residual carries one step into the next: a NaN step once poisoned
+    it, and every later step was non-finite and skipped, silently training nothing."""
+    out = tmp_path / "run"
+    r = run_cli(*TINY, "--steps", "7", "--on-nonfinite", "skip-step", "--compress", compress,
+                "--out", str(out), env={"GRADSYNC_FAULT": "0:3:nan"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["skipped_steps"] == [4]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(m["grad_norm"]) for m in rows if not m["skipped"])
 
 
 def test_out_is_a_file(tmp_path):

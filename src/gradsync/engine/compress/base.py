@@ -72,7 +72,11 @@ def ring_bytes(nbytes: int, world: int) -> int:
 
 
 def payload_numel(flat: torch.Tensor, shapes: Sequence[torch.Size], key) -> int:
-    """Total elements of ``shapes``; checks ``flat`` can hold them (one-line errors)."""
+    """Total elements of ``shapes``; checks ``key`` and that ``flat`` can hold them (one-line
+    errors)."""
+    if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+        raise UsageError(f"compressor key must be an int >= 0 (a bucket index: state is kept "
+                         f"and saved per key), got {key!r}")
     if not isinstance(flat, torch.Tensor) or flat.dim() != 1:
         raise UsageError(f"compressor key {key}: flat must be a 1-D tensor, got "
                          f"{type(flat).__name__}{tuple(getattr(flat, 'shape', ()))}")
@@ -86,6 +90,22 @@ def payload_numel(flat: torch.Tensor, shapes: Sequence[torch.Size], key) -> int:
         raise UsageError(f"compressor key {key}: shapes hold {total} elements but flat has only "
                          f"{flat.numel()}")
     return total
+
+
+def forget_nonfinite_(state: torch.Tensor | None) -> None:
+    """Zero the NaN and infinite entries of a compressor's carried-over state, in place.
+
+    Error feedback carries what one reduction lost into the next. A non-finite
+    gradient (one bad batch; ``--on-nonfinite skip-step`` drops that update) would
+    leave NaN in the residual, and every later reduction would add it back: each
+    following step non-finite too, and skipped, for the rest of the run. The
+    non-finite step's own result stays non-finite (it must be seen and skipped);
+    what it left in the state is forgotten, so the next step starts clean. One
+    summation decides (a sum is finite only when every entry is, barring overflow,
+    which then costs the exact per-entry pass): no cost but that on the hot path.
+    """
+    if state is not None and state.numel() and not torch.isfinite(state.sum()):
+        torch.nan_to_num_(state, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 class Compressor:
@@ -114,7 +134,7 @@ class Compressor:
         x = flat[:total]
         with self._lock:
             raw = total * flat.element_size()
-            sent = self._reduce(int(key), x, list(shapes), group, rank, world) if world > 1 else 0
+            sent = self._reduce(key, x, list(shapes), group, rank, world) if world > 1 else 0
             self._calls += 1
             self._raw += raw
             self._exact += ring_bytes(raw, world)

@@ -134,7 +134,10 @@ class Int8Codec(Codec):
         return -(-numel // self.block)
 
     def nbytes(self, numel: int) -> int:
-        return 4 * self.blocks(numel) + numel
+        """Scales, values, and padding to a multiple of 4 bytes: segments lie back to back in
+        one wire buffer, and the next one's float32 scales must stay 4-byte aligned (with a
+        block size that is a multiple of 4, only a final short slice is ever padded)."""
+        return -(-(4 * self.blocks(numel) + numel) // 4) * 4 if numel else 0
 
     def _parts(self, numel: int):
         """(full blocks, elements in them): the last block may be shorter."""
@@ -156,7 +159,7 @@ class Int8Codec(Codec):
         seg[: 4 * nb].view(torch.float32).copy_(scale32)
         inv = scale32.to(x.dtype)
         inv = torch.where(inv > 0, inv, torch.ones_like(inv))
-        q = seg[4 * nb:].view(torch.int8)
+        q = seg[4 * nb:4 * nb + n].view(torch.int8)
         if full:
             rows = x[:cut].view(full, self.block) / inv[:full, None]
             q[:cut].view(full, self.block).copy_(rows.round_().clamp_(-127, 127))
@@ -170,7 +173,7 @@ class Int8Codec(Codec):
         nb = self.blocks(n)
         full, cut = self._parts(n)
         scale = seg[: 4 * nb].view(torch.float32).to(out.dtype)
-        q = seg[4 * nb:].view(torch.int8)
+        q = seg[4 * nb:4 * nb + n].view(torch.int8)
         out.copy_(q)  # then scale in place: 2x faster than a mixed int8 x float multiply
         if full:
             out[:cut].view(full, self.block).mul_(scale[:full, None])

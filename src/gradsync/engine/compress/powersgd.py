@@ -20,7 +20,9 @@ keys are first compressed (torch's scheme, so a key's Q matches torch's for the
 same bucket; identical on all ranks). Always Gram-Schmidt (torch switches to
 Householder QR above rank 2; the results agree up to rounding and column signs,
 which ``P Q^T`` does not see). A column that is all zero (an unused parameter) is
-left zero instead of becoming NaN.
+left zero instead of becoming NaN. A non-finite gradient leaves its own step
+non-finite, but neither the residual nor the warm-started Q (a non-finite Q is
+drawn afresh): the next step is PowerSGD from a clean state, not NaN for good.
 
 Differences from torch's hook, both deliberate:
 
@@ -44,7 +46,7 @@ import numpy as np
 import torch
 
 from .. import comm
-from .base import Compressor, ring_bytes
+from .base import Compressor, forget_nonfinite_, ring_bytes
 
 
 def orthogonalize_(m: torch.Tensor, epsilon: float = 0.0) -> None:
@@ -188,6 +190,9 @@ class PowerSGDCompressor(Compressor):
             sent += ring_bytes(st.q.numel() * st.q.element_size(), world)
         for m_, p, q in zip(views, ps, qs):
             torch.bmm(p, q.transpose(1, 2), out=m_)
+        forget_nonfinite_(st.residual)
+        if mats and not torch.isfinite(st.q.sum()):  # bitwise the same Q everywhere: every
+            st.q = None  # rank draws a fresh one next time, from the same seed sequence
         return sent
 
     def _state(self) -> dict:
