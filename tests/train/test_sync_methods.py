@@ -64,7 +64,9 @@ def test_stopped_mid_interval_and_continued_is_bit_identical(tmp_path, flags):
 
 
 @pytest.mark.parametrize("kw,message", [
-    ({"sync": "diloco", "strategy": "zero2"}, "need --strategy ddp"),
+    ({"sync": "diloco", "strategy": "zero2"}, "zero2 synchronises exactly: --sync diloco needs "
+                                              "--strategy ddp"),
+    ({"compress": "int8", "strategy": "zero1"}, "exactly: --compress int8 needs --strategy ddp"),
     ({"sync": "diloco", "compress": "powersgd:2"}, "pseudo-gradients"),
     ({"compress": "int8", "collectives": "hierarchical"}, "do not combine"),
     ({"compress": "zstd"}, "unknown --compress"),

@@ -254,9 +254,12 @@ def _ddp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=No
 
 def _exact_only(name: str, sync) -> SyncOptions:
     sync = sync or SyncOptions()
-    if sync.method != "exact" or sync.compress != "none":
-        raise UsageError(f"--strategy {name} synchronises exactly: --sync {sync.method} and "
-                         f"--compress {sync.compress} need --strategy ddp")
+    inexact = [f"--sync {sync.method}"] * (sync.method != "exact") + \
+        [f"--compress {sync.compress}"] * (sync.compress != "none")
+    if inexact:
+        needs = "need" if len(inexact) > 1 else "needs"
+        raise UsageError(f"--strategy {name} synchronises exactly: {' and '.join(inexact)} "
+                         f"{needs} --strategy ddp")
     return sync
 
 
