@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from rich.table import Table
@@ -28,14 +29,35 @@ def check_table(rows: list[tuple[str, bool | None, str]]) -> Table:
 def results_table(results: list[HostResult]) -> Table:
     t = Table(title="netlab run: one torchrun agent per emulated host")
     for col in ("host", "exit code", "last line"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")
     for r in results:
         code = "killed (timeout)" if r.timed_out else ("killed" if r.returncode is None
                                                         else str(r.returncode))
-        lines = [ln for ln in r.stdout.splitlines() if ln.strip()] or [
-            ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("[W")]
-        t.add_row(f"h{r.host}", code, lines[-1][:90] if lines else "")
+        t.add_row(f"h{r.host}", code, telling_line(r)[:300])
     return t
+
+
+_TORCHRUN_REPORT = re.compile(r"^\s*([=\-]+|\[\d+\]:|(time|host|rank|exitcode|error_file|"
+                              r"traceback)\s*:.*|Failures:|Root Cause.*|.*FAILED)\s*$")
+_ERROR = re.compile(r"\berror\b|Error:", re.IGNORECASE)
+
+
+def telling_line(r: HostResult) -> str:
+    """The line of a host's output that says the most: after a failure, the last line
+    naming an error (a worker's message, not torchrun's boxed report or traceback);
+    otherwise the last line of standard output, then of standard error (warnings and
+    torchrun's report left out)."""
+    def kept(text: str) -> list[str]:
+        return [ln.strip() for ln in text.splitlines() if ln.strip()
+                and not ln.startswith("[W") and not _TORCHRUN_REPORT.match(ln)]
+
+    out, err = kept(r.stdout), kept(r.stderr)
+    if r.returncode != 0:
+        errors = [ln for ln in out + err if _ERROR.search(ln) and "ChildFailedError" not in ln
+                  and not ln.startswith(("File ", "raise ", "Traceback"))]
+        if errors:
+            return errors[-1]
+    return (out or err or [""])[-1]
 
 
 def links_table(cal: LinkCalibration) -> Table:
