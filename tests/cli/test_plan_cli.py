@@ -120,6 +120,55 @@ def test_comm_ps_vs_ring_exercise(capsys, tmp_path):
     assert code == 0 and "hier 8/node" in out and png.stat().st_size > 0
 
 
+def _links_file(tmp_path):
+    """A links file as `gradsync netlab calibrate` writes it: 2 hosts x 2 ranks, 100 Mbit/s."""
+    from gradsync.calibrate.links import (
+        LinkCalibration,
+        LinkTiming,
+        calibration_to_json,
+    )
+    from gradsync.plan.calibrate_fit import fit_alpha_beta
+
+    sizes = [4096, 65536, 1 << 20, 16 << 20]
+
+    def timing(name, pair, alpha, rate):
+        medians = [alpha + n * 8 / rate for n in sizes]
+        return LinkTiming(name, pair, tuple(sizes), tuple(medians), fit_alpha_beta(sizes, medians))
+
+    cal = LinkCalibration(2, 2, 5, timing("inter", (0, 2), 3e-4, 100e6),
+                          timing("intra", (0, 1), 2e-5, 10e9), "100mbit")
+    path = tmp_path / "links.json"
+    path.write_text(calibration_to_json(cal))
+    return path
+
+
+def test_comm_with_measured_links_prices_the_two_level_algorithms(capsys, tmp_path):
+    """`netlab calibrate` writes links.json; `plan comm --links` prices a model's all-reduce
+    on those two links, hosts of the measured size unless --per-node says otherwise."""
+    links = _links_file(tmp_path)
+    png = tmp_path / "two.png"
+    code, out, _ = run(capsys, "plan", "comm", "8e6", "--itemsize", "4", "--links", str(links),
+                       "--workers", "4,8", "--png", str(png))
+    assert code == 0 and png.stat().st_size > 0
+    assert "hosts of 2 ranks" in out and "100 Mbit/s" in out and "hierarchical" in out
+    code, out, _ = run(capsys, "plan", "comm", "8e6", "--itemsize", "4", "--links", str(links),
+                       "--workers", "4,8", "--json")
+    plan = json.loads(out)
+    assert plan["nbytes"] == 32e6 and plan["ranks_per_host"] == 2
+    assert [(r["workers"], r["hosts"]) for r in plan["rows"]] == [(4, 2), (8, 4)]
+    ring, _, server, hier = (c["seconds"] for c in plan["rows"][0]["costs"])
+    assert ring == pytest.approx(6 * (3e-4 + 32e6 / 4 * 8 / 100e6), rel=1e-3)
+    assert hier < ring < server
+    code, out, _ = run(capsys, "plan", "comm", "8e6", "--links", str(links), "--per-node", "4",
+                       "--workers", "8", "--json")
+    assert json.loads(out)["rows"][0]["hosts"] == 2
+    for argv, fragment in (([str(tmp_path / "none.json")], "No such file"),
+                           ([str(links), "--workers", "3"], "[3] do not fill hosts of 2"),
+                           ([str(png)], "is not a links file")):
+        code, _, err = run(capsys, "plan", "comm", "8e6", "--links", *argv)
+        assert code == 2 and fragment in one_line_error(err), err
+
+
 def test_simulate_synthetic_outputs(capsys, tmp_path):
     files = {k: tmp_path / f"{k}.{ext}" for k, ext in
              (("timeline", "png"), ("sweep", "png"), ("page", "html"))}

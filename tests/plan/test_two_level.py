@@ -13,6 +13,7 @@ from gradsync.plan.two_level import (
     Link,
     TwoLevelTopology,
     compare,
+    plan_two_level,
     predict,
     schedule,
 )
@@ -97,3 +98,23 @@ def test_bad_input_is_one_line():
         TwoLevelTopology(0, 2, INTRA, INTER)
     with pytest.raises(UsageError, match=">= 0 bytes"):
         schedule("ring", -1, 2, 2)
+
+
+def test_plan_prices_every_algorithm_at_every_worker_count():
+    plan = plan_two_level(S, [4, 8, 4096], 4, INTRA, INTER)
+    assert [(r.workers, r.hosts) for r in plan.rows] == [(4, 1), (8, 2), (4096, 1024)]
+    for r in plan.rows:
+        t = topo(r.hosts, 4)
+        assert [c.algorithm for c in r.costs] == list(ALGORITHMS)
+        assert [c.seconds for c in r.costs] == [predict(a, S, t).seconds for a in ALGORITHMS]
+        assert r.fastest == min(r.costs, key=lambda c: c.seconds)
+    # thousands of ranks: repeated rounds are priced once, and still the closed forms
+    big = plan.rows[-1].costs
+    n, h = 4096, 1024
+    assert big[0].seconds == pytest.approx(2 * (n - 1) * INTER.time(S / n))
+    assert big[3].seconds == pytest.approx(2 * 3 * INTRA.time(S / 4)
+                                           + 2 * (h - 1) * INTER.time(S / h))
+    with pytest.raises(UsageError, match=r"\[6\] do not fill hosts of 4"):
+        plan_two_level(S, [4, 6], 4, INTRA, INTER)
+    with pytest.raises(UsageError, match="worker counts"):
+        plan_two_level(S, [0], 4, INTRA, INTER)

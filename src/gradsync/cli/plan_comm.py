@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import UsageError
 from ..plan.comm import plan_comm
 from ..plan.memory import resolve_param_count
 from ..plan.units import parse_int_list, parse_rate, parse_time
@@ -11,6 +12,10 @@ from ._common import positive, print_json
 
 EPILOG = """\
 Units: GB = 1e9 bytes, GB/s = 1e9 bytes/s (a bare bandwidth number means GB/s).
+With --links (the file `gradsync netlab calibrate` writes): every algorithm priced round
+by round on the two measured links (plan.two_level), hosts of --per-node ranks (default:
+as measured); --bandwidth, --latency and --intra-bandwidth do not apply.
+  gradsync plan comm gpt --itemsize 4 --links links.json --workers 4,8,16
 example (parameter server vs ring, 2e9 fp16 gradients): gradsync plan comm 2e9 --itemsize 2
   --bandwidth 25GB/s --workers 8,64,512   -> PS ingress 1.28/10.24/81.92 s,
   ring all-reduce 0.28/0.315/0.319 s"""
@@ -28,6 +33,8 @@ def register(subparsers, help_line: str):
     p.add_argument("--latency", default="0", help="alpha per message: 5us, 0.1ms")
     p.add_argument("--per-node", type=int, help="workers per node (adds hierarchical)")
     p.add_argument("--intra-bandwidth", help="intra-node bandwidth for hierarchical")
+    p.add_argument("--links", metavar="FILE",
+                   help="intra/inter-host alpha-beta from `gradsync netlab calibrate`")
     p.add_argument("--png", metavar="FILE", help="write time vs workers plot")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=run, command="plan comm")
@@ -38,6 +45,8 @@ def run(args) -> int:
     positive(args.itemsize, "--itemsize")
     positive(args.per_node, "--per-node")
     count, _ = resolve_param_count(args.model)
+    if args.links:
+        return _run_links(args, count)
     intra = parse_rate(args.intra_bandwidth, "--intra-bandwidth") if args.intra_bandwidth else None
     plan = plan_comm(
         count, args.itemsize, parse_int_list(args.workers, "--workers"),
@@ -54,4 +63,36 @@ def run(args) -> int:
         from ..observe.plan_plots import comm_png
 
         comm_png(plan, args.png)
+    return 0
+
+
+def _run_links(args, count: int) -> int:
+    """The two-level prediction with measured links."""
+    from ..calibrate.links import calibration_from_json
+    from ..plan.two_level import plan_two_level
+
+    try:
+        with open(args.links, encoding="utf-8") as f:
+            cal = calibration_from_json(f.read())
+    except OSError as e:
+        raise UsageError(f"--links {args.links}: {e.strerror or e}") from None
+    except UsageError as e:
+        raise UsageError(f"--links {args.links}: {e}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"--links {args.links} is not a links file from `gradsync netlab "
+                         f"calibrate` ({type(e).__name__}: {e})") from None
+    topo = cal.topology(ranks_per_host=args.per_node)
+    plan = plan_two_level(float(count) * args.itemsize,
+                          parse_int_list(args.workers, "--workers"), topo.ranks_per_host,
+                          topo.intra, topo.inter)
+    if args.json:
+        print_json(plan)
+    else:
+        from ..observe.plan_tables import print_table, two_level_table
+
+        print_table(two_level_table(plan))
+    if args.png:
+        from ..observe.plan_plots import two_level_png
+
+        two_level_png(plan, args.png)
     return 0

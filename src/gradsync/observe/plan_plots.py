@@ -10,6 +10,8 @@ from ..errors import UsageError
 from ..plan.comm import CommPlan
 from ..plan.memory import MemoryPlan
 from ..plan.simulate import StepResult, Sweep
+from ..plan.two_level import ALGORITHMS, TwoLevelPlan
+from ..plan.units import fmt_bytes
 
 
 def _plt():
@@ -73,6 +75,23 @@ def comm_png(plan: CommPlan, path: str) -> None:
     ax.set_xlabel("workers N")
     ax.set_ylabel("seconds per step")
     ax.set_title(f"{plan.grad_bytes / 1e9:g} GB gradient, {plan.bandwidth / 1e9:g} GB/s links")
+    ax.legend()
+    _save(fig, path)
+
+
+def two_level_png(plan: TwoLevelPlan, path: str) -> None:
+    """Each algorithm's predicted all-reduce time against worker count (log-log)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ns = [r.workers for r in plan.rows]
+    for k, name in enumerate(ALGORITHMS):
+        ax.plot(ns, [r.costs[k].seconds for r in plan.rows], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("workers N")
+    ax.set_ylabel("seconds per all-reduce")
+    ax.set_title(f"{fmt_bytes(plan.nbytes)} gradient, hosts of {plan.ranks_per_host}, "
+                 f"{plan.inter.bandwidth * 8 / 1e6:,.0f} Mbit/s between hosts")
     ax.legend()
     _save(fig, path)
 

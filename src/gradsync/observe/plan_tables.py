@@ -9,6 +9,7 @@ from ..plan.batch import BatchPlan
 from ..plan.comm import CommPlan
 from ..plan.memory import MemoryPlan
 from ..plan.simulate import StepResult, Sweep
+from ..plan.two_level import ALGORITHMS, TwoLevelPlan
 from ..plan.units import fmt_bytes, fmt_time
 
 
@@ -83,6 +84,27 @@ def comm_table(plan: CommPlan) -> Table:
         row += [fmt_time(r.ps_ingress_s), fmt_bytes(r.dp_volume_bytes),
                 fmt_bytes(r.zero3_volume_bytes), fmt_time(r.zero3_s)]
         t.add_row(*row)
+    return t
+
+
+def _link(link) -> str:
+    rate = "unlimited" if link.beta_s_per_byte == 0 else f"{link.bandwidth * 8 / 1e6:,.0f} Mbit/s"
+    return f"alpha {fmt_time(link.alpha_s)}, {rate}"
+
+
+def two_level_table(plan: TwoLevelPlan) -> Table:
+    t = Table(title=(f"All-reduce of a {fmt_bytes(plan.nbytes)} gradient on hosts of "
+                     f"{plan.ranks_per_host} ranks: inside a host {_link(plan.intra)}, "
+                     f"between hosts {_link(plan.inter)}"))
+    for c in ("N", "hosts", *ALGORITHMS, "fastest", "busiest host link out"):
+        t.add_column(c, justify="left" if c == "fastest" else "right")
+    t.caption = ("plan.two_level: every round's messages priced on the link they cross; a "
+                 "host's outgoing bytes share its link. Busiest host link: the fastest "
+                 "algorithm's bytes out of one host per all-reduce")
+    for r in plan.rows:
+        best = r.fastest
+        t.add_row(str(r.workers), str(r.hosts), *(fmt_time(c.seconds) for c in r.costs),
+                  best.algorithm, fmt_bytes(best.max_host_out_bytes))
     return t
 
 

@@ -99,7 +99,7 @@ def _ring(members: list[int], nbytes: float) -> list[list[Message]]:
     if n == 1:
         return []
     step = [(members[i], members[(i + 1) % n], nbytes / n) for i in range(n)]
-    return [list(step) for _ in range(2 * (n - 1))]
+    return [step] * (2 * (n - 1))  # one list for identical rounds: priced once (predict)
 
 
 def _ring_half(members: list[int], nbytes: float) -> list[list[Message]]:
@@ -131,7 +131,15 @@ _FLAT = {"ring": _ring, "tree": _tree, "server": _server}
 def _merge(parallel: list[list[list[Message]]]) -> list[list[Message]]:
     """Schedules running at once on disjoint groups: round k is every group's round k."""
     depth = max((len(s) for s in parallel), default=0)
-    return [[m for s in parallel if k < len(s) for m in s[k]] for k in range(depth)]
+    merged: dict[tuple[int, ...], list[Message]] = {}  # identical rounds stay one list
+    out = []
+    for k in range(depth):
+        parts = [s[k] for s in parallel if k < len(s)]
+        key = tuple(map(id, parts))
+        if key not in merged:
+            merged[key] = [m for part in parts for m in part]
+        out.append(merged[key])
+    return out
 
 
 def schedule(algorithm: str, nbytes: float, hosts: int, ranks_per_host: int,
@@ -176,16 +184,70 @@ def predict(algorithm: str, nbytes: float, topo: TwoLevelTopology,
     g = topo.ranks_per_host
     per_host = [0.0] * topo.hosts
     inter_rounds = 0
-    for rnd in rounds:
-        crossing = [(s, b) for s, d, b in rnd if s // g != d // g]
-        inter_rounds += bool(crossing)
-        for s, b in crossing:
-            per_host[s // g] += b
-    return AlgorithmCost(algorithm, float(nbytes), sum(round_time(r, topo) for r in rounds),
-                         len(rounds), max(per_host), inter_rounds)
+    seconds = 0.0
+    priced: dict[int, tuple[float, dict[int, float]]] = {}  # a ring repeats one round 2(N-1)
+    for rnd in rounds:  # times: 4,096 ranks in 0.1 s instead of 10 s
+        if id(rnd) not in priced:
+            out: dict[int, float] = {}
+            for s, d, b in rnd:
+                if s // g != d // g:
+                    out[s // g] = out.get(s // g, 0.0) + b
+            priced[id(rnd)] = (round_time(rnd, topo), out)
+        t, out = priced[id(rnd)]
+        seconds += t
+        inter_rounds += bool(out)
+        for h, b in out.items():
+            per_host[h] += b
+    return AlgorithmCost(algorithm, float(nbytes), seconds, len(rounds), max(per_host),
+                         inter_rounds)
 
 
 def compare(nbytes: float, topo: TwoLevelTopology) -> tuple[AlgorithmCost, ...]:
     """Every algorithm's predicted all-reduce time for ``nbytes`` on ``topo``, fastest first."""
     return tuple(sorted((predict(a, nbytes, topo) for a in ALGORITHMS),
                         key=lambda c: c.seconds))
+
+
+@dataclass(frozen=True)
+class TwoLevelRow:
+    """Every algorithm's all-reduce at one worker count, in ``ALGORITHMS`` order."""
+
+    workers: int
+    hosts: int
+    costs: tuple[AlgorithmCost, ...]
+
+    @property
+    def fastest(self) -> AlgorithmCost:
+        return min(self.costs, key=lambda c: c.seconds)
+
+
+@dataclass(frozen=True)
+class TwoLevelPlan:
+    """``plan_two_level``'s answer: one gradient all-reduce per step, priced per algorithm."""
+
+    nbytes: float
+    ranks_per_host: int
+    intra: Link
+    inter: Link
+    rows: tuple[TwoLevelRow, ...]
+
+
+def plan_two_level(nbytes: float, workers: list[int], ranks_per_host: int, intra: Link,
+                   inter: Link) -> TwoLevelPlan:
+    """Each algorithm's all-reduce of ``nbytes`` at every worker count, hosts of
+    ``ranks_per_host`` ranks joined by ``inter`` (``gradsync plan comm --links``)."""
+    if not workers or any(not isinstance(w, int) or w < 1 for w in workers):
+        raise UsageError(f"worker counts must be integers >= 1, got {workers}")
+    if not isinstance(ranks_per_host, int) or isinstance(ranks_per_host, bool) \
+            or ranks_per_host < 1:
+        raise UsageError(f"ranks per host must be an integer >= 1, got {ranks_per_host!r}")
+    uneven = [w for w in workers if w % ranks_per_host]
+    if uneven:
+        raise UsageError(f"worker counts {uneven} do not fill hosts of {ranks_per_host} ranks; "
+                         f"use multiples of {ranks_per_host}")
+    rows = []
+    for w in workers:
+        topo = TwoLevelTopology(w // ranks_per_host, ranks_per_host, intra, inter)
+        rows.append(TwoLevelRow(w, topo.hosts, tuple(predict(a, nbytes, topo)
+                                                     for a in ALGORITHMS)))
+    return TwoLevelPlan(float(nbytes), ranks_per_host, intra, inter, tuple(rows))
