@@ -190,7 +190,8 @@ class HostModel(LocalModel):
 class LocalUpdateStrategy(_PerRankState, Strategy):
     """``--sync diloco | streaming-diloco``: inner steps here, outer steps in DiLoCo."""
 
-    replicated = False  # replicas differ between syncs by design
+    replicated = False
+    not_replicated_because = "replicas differ between syncs by design"
     bucket_plan = ()
     bucket_cap_mb = None
     autotune_result = None

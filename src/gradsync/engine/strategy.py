@@ -58,12 +58,14 @@ class Strategy:
         optimizer: steps the parameters this rank updates.
         replicated: every rank holds identical full parameters after a step (so a
             cross-rank drift check is meaningful and rank 0's copy is the model).
+        not_replicated_because: when not, why (the run summary says it).
 
     ``model, optimizer = build_strategy(...)`` still works: a Strategy unpacks
     into that pair.
     """
 
     replicated = True
+    not_replicated_because = "ranks hold different parameters"
 
     def __init__(self, name: str, precision: str, model, optimizer):
         self.name, self.precision = name, precision
@@ -194,6 +196,7 @@ class FullyShardedStrategy(Strategy):
     """``zero3``: parameters sharded too; ranks hold different pieces between steps."""
 
     replicated = False
+    not_replicated_because = "parameters sharded"
 
     def memory_report(self) -> MemoryReport:
         return self.model.memory_report(self.optimizer)

@@ -80,7 +80,7 @@ def finish(sess: Session) -> dict | None:
          f"{s.scaling_efficiency:.0%}" if s.scaling_efficiency
          else "n/a (1 worker)" if s.world_size == 1 else "(run with --baseline)"),
         ("drift check", drift_line(sess.inst.drift) if sess.strategy.replicated
-         else "n/a (parameters sharded)"),
+         else f"n/a ({sess.strategy.not_replicated_because})"),
         ("gradient buckets", _buckets_line(s, tuned)),
         ("wall time", f"{s.total_wall_s:.1f} s"),
         ("checkpoint", sess.ckpt_path),
