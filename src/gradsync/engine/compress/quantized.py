@@ -26,12 +26,12 @@ quantization (the "double" error feedback of Tang et al., arXiv 1905.05957). The
 accumulated sum of compressed results then stays within one step's error of the
 accumulated exact sum. A non-finite contribution leaves its reduction non-finite
 but not the residuals (``base.forget_nonfinite_``). Measured on one real gradient
-per rank of the built-in models (``benchmarks/compression.py``, 2 ranks), the relative error of one
-reduction is 0.6-1.1% for int8, 0.17-0.25% for bf16 and 0.03% for fp16. Error
-feedback is therefore on by default for int8 and off for bf16/fp16 (torch's
-bf16/fp16 compress hooks keep no residual either); turn it on with
-``error_feedback=True`` for long runs at low learning rates, where the rounding
-of a steady gradient component would otherwise repeat step after step.
+per rank of the built-in models (``benchmarks/compression.py``, 2 ranks), the
+relative error of one reduction is 0.6-1.1% for int8, 0.17-0.25% for bf16 and
+0.03% for fp16. Error feedback is therefore on by default for int8 and off for
+bf16/fp16 (torch's bf16/fp16 compress hooks keep no residual either); turn it on
+with ``error_feedback=True`` for long runs at low learning rates, where the
+rounding of a steady gradient component would otherwise repeat step after step.
 """
 
 from __future__ import annotations
