@@ -53,17 +53,7 @@ def run(args) -> int:
         parse_rate(args.bandwidth, "--bandwidth"), parse_time(args.latency, "--latency"),
         args.per_node, intra,
     )
-    if args.json:
-        print_json(plan)
-    else:
-        from ..observe.plan_tables import comm_table, print_table
-
-        print_table(comm_table(plan))
-    if args.png:
-        from ..observe.plan_plots import comm_png
-
-        comm_png(plan, args.png)
-    return 0
+    return _show(args, plan, "comm_table", "comm_png")
 
 
 def _run_links(args, count: int) -> int:
@@ -85,14 +75,20 @@ def _run_links(args, count: int) -> int:
     plan = plan_two_level(float(count) * args.itemsize,
                           parse_int_list(args.workers, "--workers"), topo.ranks_per_host,
                           topo.intra, topo.inter)
+    return _show(args, plan, "two_level_table", "two_level_png")
+
+
+def _show(args, plan, table: str, png: str) -> int:
+    """``plan`` as JSON or as ``observe.plan_tables.<table>``, and ``plan_plots.<png>``
+    with ``--png`` (renderers imported only when used: the planner starts without them)."""
     if args.json:
         print_json(plan)
     else:
-        from ..observe.plan_tables import print_table, two_level_table
+        from ..observe import plan_tables
 
-        print_table(two_level_table(plan))
+        plan_tables.print_table(getattr(plan_tables, table)(plan))
     if args.png:
-        from ..observe.plan_plots import two_level_png
+        from ..observe import plan_plots
 
-        two_level_png(plan, args.png)
+        getattr(plan_plots, png)(plan, args.png)
     return 0
