@@ -144,7 +144,10 @@ def _merge(parallel: list[list[list[Message]]]) -> list[list[Message]]:
 
 def schedule(algorithm: str, nbytes: float, hosts: int, ranks_per_host: int,
              inter: str = "ring") -> list[list[Message]]:
-    """The rounds of messages ``algorithm`` sends for an all-reduce of ``nbytes``."""
+    """The rounds of messages ``algorithm`` sends for an all-reduce of ``nbytes``.
+
+    Identical rounds (a ring's 2(N-1)) may be one shared list, so ``predict`` prices
+    each once: read the rounds, do not mutate them."""
     if nbytes < 0:
         raise UsageError(f"message size must be >= 0 bytes, got {nbytes}")
     g, world = ranks_per_host, hosts * ranks_per_host
@@ -186,7 +189,7 @@ def predict(algorithm: str, nbytes: float, topo: TwoLevelTopology,
     inter_rounds = 0
     seconds = 0.0
     priced: dict[int, tuple[float, dict[int, float]]] = {}  # a ring repeats one round 2(N-1)
-    for rnd in rounds:  # times: 4,096 ranks in 0.1 s instead of 10 s
+    for rnd in rounds:  # 4,096 ranks, all four algorithms: 0.2 s instead of 10 s
         if id(rnd) not in priced:
             out: dict[int, float] = {}
             for s, d, b in rnd:
