@@ -15,7 +15,10 @@ gradients (<= 1e-12), or checks what DDP does:
   (AdamW then decays it, as under DDP);
 * a wrapper inside a parent module: the parent's state_dict round trip;
 * ``copy.deepcopy`` of the wrapper, and one pickled and loaded (``torch.save``),
-  synchronise like the original; ``zero_grad()`` sets gradients to None, as torch's.
+  synchronise like the original; ``zero_grad()`` sets gradients to None, as torch's;
+* a checkpoint torch DDP saved (``module.`` keys) loads into DataParallel and into
+  FullyShardedDataParallel, and the next steps match DDP's; the caller's dict is
+  not renamed, and a module whose own child is named ``module`` is left alone.
 """
 
 from __future__ import annotations
@@ -176,11 +179,49 @@ def _wrapper_semantics():
     return restored, twin_grads, grads, pickled, cleared
 
 
+def _bn_net():
+    return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Tanh(), nn.Linear(3, 2)).double()
+
+
+def _ddp_checkpoint_loads():
+    """Two DDP steps, DDP's state_dict saved; a fresh gradsync wrapper (other seed)
+    loads it and both go on for two more steps: the same parameters as DDP's."""
+    def steps(model, first):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(first, first + 2):
+            model(_batch(step, gs.rank())).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    torch.manual_seed(5)
+    ddp = DDP(_bn_net())
+    steps(ddp, 0)
+    saved = ddp.state_dict()
+    keys_before = list(saved)
+    torch.manual_seed(6)
+    ours = {"dp": gs.DataParallel(_bn_net()), "fsdp": gs.FullyShardedDataParallel(_bn_net())}
+    for model in ours.values():
+        model.load_state_dict(saved)
+    steps(ddp, 2)
+    for model in ours.values():
+        steps(model, 2)
+    want = {k[len("module."):]: v for k, v in ddp.state_dict().items()}
+    got = {"dp": ours["dp"].state_dict(), "fsdp": ours["fsdp"].full_state_dict()}
+    gaps = {name: max(float((sd[k] - want[k]).abs().max()) for k in want)
+            for name, sd in got.items()}
+    holder = nn.ModuleDict({"module": nn.Linear(2, 2)})  # its own keys start "module."
+    wrapped = gs.DataParallel(holder)
+    wrapped.load_state_dict(holder.state_dict())
+    with pytest.raises(RuntimeError, match="Missing key"):
+        wrapped.load_state_dict({k[len("module."):]: v for k, v in holder.state_dict().items()})
+    return gaps, list(saved) == keys_before
+
+
 def _jobs():
     jobs = []
     for fn in SCENARIOS:
         jobs += [(fn, (_gs,)), (fn, (_ddp,))]
-    return jobs + [(_wrapper_semantics, ())]
+    return jobs + [(_wrapper_semantics, ()), (_ddp_checkpoint_loads, ())]
 
 
 _cache: dict = {}
@@ -221,3 +262,9 @@ def test_wrapper_in_a_parent_deepcopy_pickle_and_zero_grad():
         assert cleared
     ranks = _results(2 * len(SCENARIOS))
     assert _gap(ranks[0][1], ranks[1][1]) == 0.0  # the same averaged gradient on both ranks
+
+
+def test_a_torch_ddp_checkpoint_loads_and_training_continues_as_ddp():
+    for gaps, untouched in _results(2 * len(SCENARIOS) + 1):
+        assert gaps["dp"] <= TOL and gaps["fsdp"] <= TOL, gaps
+        assert untouched  # the caller's dict keeps its keys

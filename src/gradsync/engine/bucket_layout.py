@@ -25,6 +25,7 @@ from ..errors import UsageError
 from . import comm
 from .autotune import AutotuneResult, BucketAutotuner
 from .bucketing import BucketSpec, ParamSpec, mb_to_bytes, plan_buckets
+from .ddp_compat import without_ddp_prefix
 from .buckets import Bucket
 from .item_window import HEADER_SLOTS
 from .replicas import ignored_names
@@ -235,4 +236,6 @@ class BucketAccess:
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """The module's own keys, or a torch DDP checkpoint's (``module.``-prefixed)."""
+        state_dict = without_ddp_prefix(state_dict, self.module.state_dict(keep_vars=True))
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

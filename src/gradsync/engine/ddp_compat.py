@@ -26,8 +26,10 @@ gradsync's compressors, and the ``require_backward_grad_sync`` flag.
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 
 import torch
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from ..errors import UsageError
 
@@ -52,6 +54,24 @@ def accept_module_keys(state_dict, prefix, *_args) -> None:
     inner = prefix + "module."
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+def without_ddp_prefix(state_dict, own_keys):
+    """A checkpoint torch DDP saved (``ddp.state_dict()``: every key ``module.``-prefixed),
+    renamed to the module's own keys, so ``wrapper.load_state_dict(torch.load(...))``
+    works for a user switching from DDP with checkpoints in hand. Only when *every* key
+    carries the prefix and none of the module's own keys do (a module with a child
+    named ``module`` is left alone); a copy is renamed, the caller's dict is not."""
+    prefix = "module."
+    if (not state_dict or any(k.startswith(prefix) for k in own_keys)
+            or not all(k.startswith(prefix) for k in state_dict)):
+        return state_dict
+    renamed = OrderedDict(state_dict)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:  # per-module versions (BatchNorm's): renamed with the keys
+        renamed._metadata = OrderedDict(metadata)
+    consume_prefix_in_state_dict_if_present(renamed, prefix)
+    return renamed
 
 
 def resolve_ddp_keywords(module: torch.nn.Module, group, kwargs: dict):

@@ -43,6 +43,7 @@ from ..errors import UsageError
 from .algorithm_buckets import host_topology
 from .algorithms import HostTopology
 from .clip import clip_grad_norm_
+from .ddp_compat import without_ddp_prefix
 from .comm_thread import private_group
 from .fsdp_gather import UnitGatherer
 from .fsdp_reduce import UnitReducer
@@ -288,7 +289,9 @@ class FullyShardedDataParallel(SyncedModule):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """A consolidated dict (original names) is sliced into this rank's shards with no
-        collective (``fsdp_state.py``); a dict of this wrapper's own keys is nn.Module's."""
+        collective (``fsdp_state.py``), also one torch DDP saved (``module.`` keys); a
+        dict of this wrapper's own keys is nn.Module's."""
+        state_dict = without_ddp_prefix(state_dict, self.original_keys)
         if not set(state_dict) & set(self.original_keys):
             return super().load_state_dict(state_dict, strict, assign)
         return load_full_state_dict(self, state_dict, strict)
