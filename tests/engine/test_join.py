@@ -13,7 +13,10 @@ accumulation window and ranks 0 and 2 shadow the others' steps. Checked in float
   as torch DDP's ``join()`` leaves it, for both ``divide_by_initial_world_size``,
   after every step on the active ranks and at the end on every rank;
 * ``throw_on_early_termination`` raises on every rank and leaves the group usable;
-  ``enable=False`` costs no collective; what join() cannot shadow is refused.
+  ``enable=False`` costs no collective; what join() cannot shadow is refused;
+* torch's generic ``Join([model])`` / ``Join([model, zero_optimizer])`` /
+  ``Join([model], optimizer=opt)`` does the same: the exact mean on DataParallel,
+  ZeRO-2 and stage 3, torch DDP's parameters under ``Join([ddp])``, the throw.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join as TorchJoin
 
 import gradsync as gs
 from gradsync.engine import comm
@@ -64,8 +68,17 @@ def reference():
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def exact_job(kind: str):
-    """This rank's loop over its own micro-batches inside join(optimizer=...)."""
+def _join_context(model, opt, how: str):
+    """gradsync's ``model.join(optimizer=opt)`` or torch's generic context around the model."""
+    if how == "torch":  # torch's Join; a ZeroOptimizer is a joinable of its own
+        return TorchJoin([model, opt] if isinstance(opt, gs.ZeroOptimizer) else [model],
+                         **({} if isinstance(opt, gs.ZeroOptimizer) else {"optimizer": opt}))
+    return model.join(optimizer=opt)
+
+
+def exact_job(kind: str, how: str = "gradsync"):
+    """This rank's loop over its own micro-batches inside join(optimizer=...), or inside
+    torch's ``Join([model, zero_optimizer])`` / ``Join([model], optimizer=opt)``."""
     rank = dist.get_rank()
     module = mlp()
     if kind == "fsdp":
@@ -76,7 +89,7 @@ def exact_job(kind: str):
         opt = (sgd(module.parameters()) if kind == "ddp" else
                gs.ZeroOptimizer(model, torch.optim.SGD, stage=int(kind[-1]), lr=0.05,
                                 momentum=0.9))
-    with model.join(optimizer=opt):
+    with _join_context(model, opt, how):
         for k in range(MICRO[rank]):
             x, y = micro_batch(rank, k)
             last = (k + 1) % ACCUM == 0
@@ -102,7 +115,7 @@ class BNNet(nn.Module):
         return self.out(torch.tanh(self.bn(self.inp(x))))
 
 
-def ddp_parity_job(divide: bool):
+def ddp_parity_job(divide: bool, how: str = "method"):
     """The same loop under torch DDP's join() and gradsync's (plain backward, no optimizer
     for the ranks that left), with a BatchNorm whose buffers move.
 
@@ -118,7 +131,9 @@ def ddp_parity_job(divide: bool):
                  else gs.DataParallel(module, bucket_cap_mb=0.0005))
         opt = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1)
         steps = []
-        with model.join(divide_by_initial_world_size=divide):
+        context = (model.join(divide_by_initial_world_size=divide) if how == "method" else
+                   TorchJoin([model], divide_by_initial_world_size=divide))
+        with context:
             for k in range(DDP_MICRO[rank]):
                 x, y = micro_batch(rank, k)
                 last = (k + 1) % ACCUM == 0
@@ -132,15 +147,17 @@ def ddp_parity_job(divide: bool):
     return out
 
 
-def throw_job():
+def throw_job(how: str = "gradsync"):
     """throw_on_early_termination: every rank raises at the first iteration some rank
     lacks; afterwards the group still works."""
     rank = dist.get_rank()
     model = gs.DataParallel(mlp())
     opt = sgd(model.parameters())
     seen, error = 0, None
+    context = (model.join(throw_on_early_termination=True, optimizer=opt) if how == "gradsync"
+               else TorchJoin([model], throw_on_early_termination=True, optimizer=opt))
     try:
-        with model.join(throw_on_early_termination=True, optimizer=opt):
+        with context:
             for k in range(MICRO[rank]):
                 x, y = micro_batch(rank, k)
                 model.backward(mse(model(x), y), num_items=len(x))
@@ -186,6 +203,8 @@ def refusal_job():
     errors = []
     model = gs.DataParallel(mlp())
     zero = gs.ZeroOptimizer(model, torch.optim.SGD, stage=2, lr=0.1)
+    model2 = gs.DataParallel(mlp())
+    zero2 = gs.ZeroOptimizer(model2, torch.optim.SGD, stage=2, lr=0.1)
     for make in (lambda: model.join(),
                  lambda: gs.DataParallel(gs.convert_sync_batchnorm(BNNet())).join(),
                  lambda: gs.DataParallel(mlp()).join(optimizer=42)):
@@ -194,12 +213,23 @@ def refusal_job():
         except gs.UsageError as e:
             errors.append(str(e))
     del zero
+    for make in (lambda: TorchJoin([model]),  # ZeRO without its optimizer
+                 lambda: TorchJoin([zero2, model2])):  # the optimizer before the model
+        try:
+            with make():
+                pass
+        except gs.UsageError as e:
+            errors.append(str(e))
+    model(micro_batch(0, 0)[0]).sum().backward()  # refused, not left half-open
     return errors
 
 
 JOBS = [(exact_job, ("ddp",)), (exact_job, ("zero1",)), (exact_job, ("zero2",)),
         (exact_job, ("fsdp",)), (ddp_parity_job, (True,)), (ddp_parity_job, (False,)),
-        (throw_job, ()), (cost_job, ()), (refusal_job, ())]
+        (throw_job, ()), (cost_job, ()), (refusal_job, ()),
+        (exact_job, ("ddp", "torch")), (exact_job, ("zero2", "torch")),
+        (exact_job, ("fsdp", "torch")), (ddp_parity_job, (True, "torch")),
+        (ddp_parity_job, (False, "torch")), (throw_job, ("torch",))]
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +238,9 @@ def results():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index,kind", [(0, "ddp"), (1, "zero1"), (2, "zero2"), (3, "fsdp")])
+@pytest.mark.parametrize("index,kind", [(0, "ddp"), (1, "zero1"), (2, "zero2"), (3, "fsdp"),
+                                        (9, "ddp, torch's Join"), (10, "zero2, torch's Join"),
+                                        (11, "fsdp, torch's Join")])
 def test_join_gives_the_exact_mean_over_what_the_active_ranks_hold(results, index, kind):
     want = reference()
     per_rank = job_results(results, index)
@@ -220,7 +252,7 @@ def test_join_gives_the_exact_mean_over_what_the_active_ranks_hold(results, inde
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index,divide", [(4, True), (5, False)])
+@pytest.mark.parametrize("index,divide", [(4, True), (5, False), (12, True), (13, False)])
 def test_join_without_optimizer_matches_torch_ddp_join(results, index, divide):
     for rank, got in enumerate(job_results(results, index)):
         (t_steps, t_final), (g_steps, g_final) = got["torch"], got["gs"]
@@ -235,8 +267,9 @@ def test_join_without_optimizer_matches_torch_ddp_join(results, index, divide):
 
 
 @pytest.mark.slow
-def test_throw_on_early_termination_raises_on_every_rank(results):
-    got = job_results(results, 6)
+@pytest.mark.parametrize("index", [6, 14], ids=["model.join", "torch's Join"])
+def test_throw_on_early_termination_raises_on_every_rank(results, index):
+    got = job_results(results, index)
     shortest = min(MICRO)
     for rank, (seen, error, check) in enumerate(got):
         assert seen == shortest, (rank, seen)
@@ -255,7 +288,9 @@ def test_join_costs_one_small_all_reduce_per_forward_and_nothing_when_disabled(r
 @pytest.mark.slow
 def test_join_refuses_what_it_cannot_shadow(results):
     for errors in job_results(results, 8):
-        assert len(errors) == 3, errors
+        assert len(errors) == 5, errors
         assert "needs optimizer=" in errors[0]
         assert "SyncBatchNorm" in errors[1] and "num_items=0" in errors[1]
         assert "takes an optimizer" in errors[2]
+        assert "needs optimizer=" in errors[3] and "Join([model, zero_optimizer])" in errors[3]
+        assert "list the gradsync model before" in errors[4]

@@ -25,8 +25,8 @@ from ..errors import UsageError
 from . import comm
 from .autotune import AutotuneResult, BucketAutotuner
 from .bucketing import BucketSpec, ParamSpec, mb_to_bytes, plan_buckets
-from .ddp_compat import without_ddp_prefix
 from .buckets import Bucket
+from .ddp_compat import without_ddp_prefix
 from .item_window import HEADER_SLOTS
 from .replicas import ignored_names
 

@@ -43,8 +43,8 @@ from ..errors import UsageError
 from .algorithm_buckets import host_topology
 from .algorithms import HostTopology
 from .clip import clip_grad_norm_
-from .ddp_compat import without_ddp_prefix
 from .comm_thread import private_group
+from .ddp_compat import without_ddp_prefix
 from .fsdp_gather import UnitGatherer
 from .fsdp_reduce import UnitReducer
 from .fsdp_state import full_state_dict, load_full_state_dict

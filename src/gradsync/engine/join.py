@@ -33,6 +33,15 @@ that left its loop keeps *shadowing* the others' until all have left:
   broadcasting parameters and buffers from the last rank to leave, as DDP's
   post-hook does; gradients on a rank that has left are None then.
 
+torch's generic context works too: ``with torch.distributed.algorithms.join.Join([model]):``
+(or ``Join([model, zero_optimizer])``, or ``Join([model], optimizer=opt)``) is the same
+as ``model.join(...)``: the wrapper and :class:`~gradsync.ZeroOptimizer` are torch
+``Joinable`` s (``join_hook``, ``join_device``, ``join_process_group``). torch's context
+adds its own count all-reduce per forward (``notify_join_context``, as DDP's forward
+calls it) and decides when every rank has left; each of its main-hook calls shadows
+one iteration here, and its post-hook is the final sync below. The model must be the
+first joinable (it calls the notification); ``throw_on_early_termination`` is torch's.
+
 What the shadow assumes, as DDP's does: every grad-enabled forward on an active
 rank is followed by exactly one backward through the model (a validation loss
 computed with gradients on and no backward would leave the ranks unmatched), the
@@ -45,6 +54,7 @@ give such a rank an empty batch instead (``backward(loss, num_items=0)``).
 from __future__ import annotations
 
 import torch
+from torch.distributed.algorithms import join as torch_join
 
 from ..errors import UsageError
 from . import comm
@@ -59,15 +69,11 @@ class Join:
     """The context :meth:`SyncedModule.join` returns; see the module docstring."""
 
     def __init__(self, model, divide_by_initial_world_size: bool = True, enable: bool = True,
-                 throw_on_early_termination: bool = False, optimizer=None):
+                 throw_on_early_termination: bool = False, optimizer=None,
+                 via_torch: bool = False):
         if not (optimizer is None or callable(optimizer) or _is_optimizer(optimizer)):
             raise UsageError("join(optimizer=...) takes an optimizer or a zero-argument function "
                              f"that steps it, got {type(optimizer).__name__}")
-        if enable and optimizer is None and model.owns_shards:
-            raise UsageError(
-                f"{type(model).__name__}.join() needs optimizer=: with sharded state a rank "
-                "whose inputs ran out must keep stepping its shard (join(optimizer=opt), or "
-                "a function doing what the loop does after backward)")
         if enable:
             sbn = next((type(m).__name__ for m in model.module.modules()
                         if isinstance(m, (torch.nn.SyncBatchNorm, SyncBatchNorm))), None)
@@ -86,13 +92,28 @@ class Join:
         self.active = self.world  # ranks with data at the latest signal
         self.buffer_source = 0  # the rank buffers are broadcast from (the highest active)
         self.shadowed = 0  # iterations this rank shadowed after leaving its loop
+        self.via_torch = via_torch  # made for torch's Join context (see TorchJoinHook)
+        if enable and not via_torch:
+            self._check_optimizer()  # torch's Join: when it opens (its ZeroOptimizer comes later)
+
+    def _check_optimizer(self) -> None:
+        if self.optimizer is None and self.model.owns_shards:
+            raise UsageError(
+                f"{type(self.model).__name__}.join() needs optimizer=: with sharded state a "
+                "rank whose inputs ran out must keep stepping its shard (join(optimizer=opt), "
+                "a function doing what the loop does after backward, or torch's "
+                "Join([model, zero_optimizer]) / Join([model], optimizer=opt))")
+
+    def _open(self) -> None:
+        if self.model._join_state is not None:
+            raise UsageError("join() is already open on this model")
+        self._check_optimizer()
+        self.model._join_state = self
 
     # ------------------------------------------------------------------ the context
     def __enter__(self):
         if self.enable:
-            if self.model._join_state is not None:
-                raise UsageError("join() is already open on this model")
-            self.model._join_state = self
+            self._open()
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -100,7 +121,8 @@ class Join:
             return False
         try:
             if exc_type is None:
-                self._shadow_until_all_left()
+                while self._shadow_once():
+                    pass
                 self._final_sync()
         finally:
             self.model._join_state = None
@@ -123,20 +145,22 @@ class Join:
         return float(self.world if self.divide_by_initial_world_size else self.active)
 
     # ------------------------------------------------------------------ ranks that left
-    def _shadow_until_all_left(self) -> None:
-        while True:
-            signal = self._signal()
-            self._exchange(signal)
-            if self.active == 0:
-                return
-            if self.throw_on_early_termination:
-                raise RuntimeError(f"rank {self.model.rank} exhausted its inputs "
-                                   "(join(throw_on_early_termination=True))")
-            grad_on, sync = bool(signal[_GRAD] > 0), bool(signal[_SYNC] > 0)
-            synced = self.model._shadow_iteration(grad_on, sync, bool(signal[_BUFFERS] > 0))
-            if synced:
-                self._step()
-            self.shadowed += 1
+    def _shadow_once(self) -> bool:
+        """Shadow the active ranks' next forward (and backward, and step); False when
+        no rank is active any more."""
+        signal = self._signal()
+        self._exchange(signal)
+        if self.active == 0:
+            return False
+        if self.throw_on_early_termination:
+            raise RuntimeError(f"rank {self.model.rank} exhausted its inputs "
+                               "(join(throw_on_early_termination=True))")
+        grad_on, sync = bool(signal[_GRAD] > 0), bool(signal[_SYNC] > 0)
+        synced = self.model._shadow_iteration(grad_on, sync, bool(signal[_BUFFERS] > 0))
+        if synced:
+            self._step()
+        self.shadowed += 1
+        return True
 
     def _step(self) -> None:
         if self.optimizer is None:
@@ -181,10 +205,91 @@ def _is_optimizer(obj) -> bool:
     return hasattr(obj, "step") and hasattr(obj, "zero_grad")
 
 
+class TorchJoinHook(torch_join.JoinHook):
+    """torch's ``Join([model, ...])`` driving a :class:`Join`: each main hook shadows one
+    iteration of the ranks still active (torch's count said there is one), the post-hook
+    is the final sync."""
+
+    def __init__(self, join: Join):
+        self.join = join
+
+    def main_hook(self) -> None:
+        self.join.model._open_torch_join()
+        if not self.join._shadow_once():
+            raise RuntimeError("torch's Join counted an active rank, gradsync's signal none: "
+                               "the model must be the first joinable of the Join")
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        model = self.join.model
+        model._open_torch_join()  # a rank that never ran a forward in the context
+        try:
+            self.join._final_sync()
+        finally:
+            model._close_torch_join()
+
+
+class NoJoinHook(torch_join.JoinHook):
+    """A joinable whose shadow another joinable's hook performs (ZeroOptimizer's step
+    runs inside its model's hook, after the backward it follows)."""
+
+
+def disabled_join_config():
+    """What a torch Joinable holds outside a torch ``Join`` context."""
+    return torch_join._JoinConfig.construct_disabled_join_config()
+
+
 class JoinShadow:
     """What the synchronised-backward core (``sync_core.SyncedModule``) adds for join()."""
 
     owns_shards = False  # state no other rank holds (ZeRO shards): join() needs optimizer=
+    _join_config = disabled_join_config()  # torch's Join sets it (torch Joinable protocol)
+    _torch_join: Join | None = None  # the Join a torch Join context made with join_hook
+
+    # ------------------------------------------------------------ torch's Joinable
+    def join_hook(self, divide_by_initial_world_size: bool = True, optimizer=None) -> TorchJoinHook:
+        """torch's ``Join([model, ...], **kwargs)`` calls this with its kwargs: DDP's
+        ``divide_by_initial_world_size``, and gradsync's ``optimizer`` (see :meth:`join`)."""
+        self._torch_join = Join(self, divide_by_initial_world_size, True, False, optimizer,
+                                via_torch=True)
+        return TorchJoinHook(self._torch_join)
+
+    @property
+    def join_device(self) -> torch.device:
+        return comm_device(self.group)
+
+    @property
+    def join_process_group(self):
+        return self.group if self.group is not None else torch.distributed.group.WORLD
+
+    def _open_torch_join(self) -> None:
+        """Open the Join torch's context made, once, at the first forward or hook inside it."""
+        pending = self._torch_join
+        if pending is None or not self._join_config.enable:
+            return
+        if self._join_state is None:
+            try:
+                pending._open()
+            except UsageError:
+                self._close_torch_join()  # refused on every rank: the model stays usable
+                raise
+        elif self._join_state is not pending:
+            raise UsageError("torch's Join([model]) inside model.join(): use one of the two")
+
+    def _close_torch_join(self) -> None:
+        self._join_state = self._torch_join = None
+        self._join_config = disabled_join_config()
+
+    def _notify_torch_join(self) -> None:
+        """An active rank's forward inside torch's Join: torch's count first (as DDP's
+        forward does), then gradsync's signal (``Join.notify``)."""
+        self._open_torch_join()
+        if self._join_state is not None and self._join_state.via_torch:
+            if not self._join_config.is_first_joinable:
+                raise UsageError("torch's Join: list the gradsync model first, "
+                                 "Join([model, optimizer]), as with DDP")
+            work = torch_join.Join.notify_join_context(self)
+            if work is not None:
+                work.wait()
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False, optimizer=None) -> Join:

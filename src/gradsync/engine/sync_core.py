@@ -111,6 +111,8 @@ class SyncedModule(JoinShadow, SyncProtocol, nn.Module):
         tracer = tracing.ACTIVE
         t0 = tracing.now() if tracer is not None else 0.0
         grad_on = torch.is_grad_enabled()
+        if self._join_config.enable:  # inside torch's Join([model]) context
+            self._notify_torch_join()
         if self._join_state is not None:
             self._join_state.notify(grad_on, self._require_sync, self._buffers_due)
         self._sync_buffers()

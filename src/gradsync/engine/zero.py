@@ -42,6 +42,7 @@ import torch
 from ..errors import UsageError
 from .clip import clip_grad_norm_
 from .data_parallel import DataParallel
+from .join import NoJoinHook, disabled_join_config
 from .param_groups import assign_pieces, check_param_groups
 from .precision import MixedPrecision, cast_buffers_, cast_inputs_hook, master_dtype
 from .reduction import BucketReduction
@@ -336,6 +337,31 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
         self._synced = False
 
     # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------ torch's Joinable
+    _join_config = disabled_join_config()  # torch's Join sets it; the model notifies
+
+    def join_hook(self, **_kwargs) -> NoJoinHook:
+        """``torch.distributed.algorithms.join.Join([model, optimizer])``, as with torch's
+        ZeroRedundancyOptimizer: this optimizer becomes the step a rank whose inputs ran
+        out takes after each backward it shadows (the model's hook runs it)."""
+        pending = self.model._torch_join
+        if pending is None:
+            raise UsageError("torch's Join: list the gradsync model before its "
+                             "ZeroOptimizer, Join([model, optimizer])")
+        if pending.optimizer is not None and pending.optimizer is not self:
+            raise UsageError("torch's Join: two optimizers for one model "
+                             "(Join([model, opt]) and optimizer=)")
+        pending.optimizer = self
+        return NoJoinHook()
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.model.join_device
+
+    @property
+    def join_process_group(self):
+        return self.model.join_process_group
+
     def state_dict(self) -> dict:
         """This rank's shard: master slices, inner optimizer state and the layout."""
         return {"stage": self.stage, "world": self.world, "rank": self.rank,
