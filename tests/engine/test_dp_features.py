@@ -195,6 +195,33 @@ def test_mismatched_models_error_on_every_rank():
     assert "(2, 8)" in messages[0] and "(3, 8)" in messages[0]
 
 
+def _lazy(wrapper: str):
+    """A lazy module wrapped before its dummy forward: on every rank (a usage error), and
+    on rank 1 only (a mismatch naming the uninitialized entry, not a hang)."""
+    wrap = getattr(gs, wrapper)
+    out = []
+    for initialized_on in ((), (0,)):
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.LazyLinear(3), nn.Tanh(), nn.Linear(3, 1))
+        if gs.rank() in initialized_on:
+            module(torch.zeros(2, 5))
+        try:
+            wrap(module)
+            out.append(None)
+        except (gs.UsageError, gs.ReplicaMismatchError) as e:
+            out.append((type(e).__name__, str(e)))
+    return out
+
+
+@pytest.mark.parametrize("wrapper", ["DataParallel", "FullyShardedDataParallel"])
+def test_uninitialized_lazy_module_is_refused_on_every_rank(wrapper):
+    for everywhere, one_rank in gs.spawn(_lazy, 2, wrapper, timeout_s=60):
+        assert everywhere[0] == "UsageError", everywhere
+        assert "'0.weight', '0.bias'" in everywhere[1] and "forward pass" in everywhere[1]
+        assert one_rank[0] == "ReplicaMismatchError", one_rank
+        assert "shape (3, 5)" in one_rank[1] and "shape uninitialized" in one_rank[1]
+
+
 def _hooks_left(model):
     return sum(
         len(p._post_accumulate_grad_hooks or {})

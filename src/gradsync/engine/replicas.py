@@ -15,8 +15,9 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parameter import is_lazy
 
-from ..errors import ReplicaMismatchError
+from ..errors import ReplicaMismatchError, UsageError
 from . import comm
 
 _CHUNK_BYTES = 64 * 1024 * 1024
@@ -39,14 +40,22 @@ def ignored_names(module: nn.Module) -> frozenset[str]:
 
 def structure(module: nn.Module, ignore=frozenset()) -> list[tuple[str, str, tuple[int, ...],
                                                                   str, bool]]:
-    """(kind, name, shape, dtype, requires_grad) of every parameter and buffer, in order."""
+    """(kind, name, shape, dtype, requires_grad) of every parameter and buffer, in order;
+    the shape of a lazy module's uninitialized parameter is the string ``UNINITIALIZED``."""
     rows = [
-        ("param", n, tuple(p.shape), str(p.dtype), p.requires_grad)
+        ("param", n, _shape(p), str(p.dtype), p.requires_grad)
         for n, p in module.named_parameters() if n not in ignore
     ]
-    rows += [("buffer", n, tuple(b.shape), str(b.dtype), False)
+    rows += [("buffer", n, _shape(b), str(b.dtype), False)
              for n, b in module.named_buffers() if n not in ignore]
     return rows
+
+
+UNINITIALIZED = "uninitialized"
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...] | str:
+    return UNINITIALIZED if is_lazy(t) else tuple(t.shape)
 
 
 def _describe(row) -> str:
@@ -54,7 +63,8 @@ def _describe(row) -> str:
         return "no such entry"
     kind, name, shape, dtype, rg = row
     frozen = "" if kind == "buffer" or rg else " (frozen)"
-    return f"{kind} {name!r} shape {tuple(shape)} {dtype.replace('torch.', '')}{frozen}"
+    shape = shape if shape == UNINITIALIZED else tuple(shape)
+    return f"{kind} {name!r} shape {shape} {dtype.replace('torch.', '')}{frozen}"
 
 
 def first_mismatch(listings: list[list]) -> str | None:
@@ -93,11 +103,21 @@ def _listings_if_different(rows: list, group) -> list | None:
 
 
 def verify_same_structure(module: nn.Module, group=None, what: str = "DataParallel") -> None:
-    """Raise ReplicaMismatchError on every rank if any rank's model differs."""
-    listings = _listings_if_different(structure(module, ignored_names(module)), group)
+    """Raise ReplicaMismatchError on every rank if any rank's model differs, and a
+    UsageError on every rank if a lazy module is still uninitialized (compared first, so
+    one rank that ran its dummy forward and another that did not is a mismatch, not a
+    hang)."""
+    rows = structure(module, ignored_names(module))
+    listings = _listings_if_different(rows, group)
     if listings is not None:
         detail = first_mismatch(listings) or "structure digests differ"
         raise ReplicaMismatchError(f"{what}: {detail}")
+    lazy = [name for _kind, name, shape, *_ in rows if shape == UNINITIALIZED]
+    if lazy:
+        raise UsageError(f"{what}: {len(lazy)} parameter(s) of a lazy module are not "
+                         f"initialized yet ({', '.join(map(repr, lazy[:3]))}"
+                         f"{', ...' if len(lazy) > 3 else ''}): run one forward pass with a "
+                         "sample input before wrapping, as torch DDP requires")
 
 
 def verify_same_setup(settings: dict, group=None, what: str = "DataParallel") -> None:
