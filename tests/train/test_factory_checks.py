@@ -56,3 +56,24 @@ def test_a_factory_from_stdin_is_refused():
     r = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
                        timeout=50)
     assert "defined in an interactive __main__" in r.stdout, r.stderr[-2000:]
+
+
+def returns_data():
+    from tests.train.factories import regression64
+    return regression64()
+
+
+@pytest.mark.timeout(120)
+def test_a_model_factory_failing_in_the_workers_leaves_no_empty_run_directory(tmp_path):
+    """The factory is called in the workers, after the run directory and its lock were
+    made: a run that never wrote anything removes the directory it created; a directory
+    that was there keeps only the (free, empty) lock file."""
+    fresh, kept = tmp_path / "fresh" / "run", tmp_path / "kept"
+    kept.mkdir()
+    for out in (fresh, kept):
+        with pytest.raises(gs.UsageError, match="returned TrainData, not a torch.nn.Module"):
+            gs.train(gs.TrainConfig(out=str(out), steps=1, workers=2, global_batch=4,
+                                    micro_batch=2),
+                     model=f"{__name__}:returns_data", data="tests.train.factories:regression64")
+    assert not fresh.exists() and fresh.parent.exists()
+    assert kept.is_dir() and [f.name for f in kept.iterdir()] == ["gradsync.lock"]  # free

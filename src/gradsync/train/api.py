@@ -65,8 +65,9 @@ def preflight(cfg: TrainConfig, model_fn=None) -> tuple[state.ResumePlan, RunLoc
                              f"batch ({cfg.global_batch}); every step needs distinct samples")
     if cfg.port:
         _check_port_free(cfg.port)
+    created = not os.path.exists(cfg.out)
     check_run_dir(cfg.out, estimate_checkpoint_bytes(cfg, model_fn))
-    lock = RunLock(cfg.out).acquire()
+    lock = RunLock(cfg.out, created=created).acquire()
     try:
         path = os.path.join(cfg.out, CHECKPOINT)
         plan = state.decide(cfg, read_header(path))

@@ -72,11 +72,12 @@ def _describe(holder: dict) -> str:
 class RunLock:
     """An exclusive, non-blocking lock on a run directory (see the module docstring)."""
 
-    def __init__(self, out: str):
+    def __init__(self, out: str, created: bool = False):
         self.out = out
         self.path = os.path.join(out, LOCK)
         self.fd: int | None = None
         self.took_over: dict | None = None
+        self.created = created  # this invocation made ``out``: remove it if left unused
 
     def _read(self, fd: int) -> dict:
         os.lseek(fd, 0, os.SEEK_SET)
@@ -115,11 +116,16 @@ class RunLock:
                 f"({_describe(self.took_over)})")
 
     def release(self) -> None:
-        """Empty the file (an empty lock file is a free one), then unlock."""
+        """Empty the file (an empty lock file is a free one), then unlock. A run directory
+        this invocation created and nothing else wrote to (a usage error before the first
+        step) is removed, so a failed start leaves no empty run behind."""
         if self.fd is None:
             return
         with contextlib.suppress(OSError):
             os.ftruncate(self.fd, 0)
+            if self.created and os.listdir(self.out) == [LOCK]:
+                os.remove(self.path)  # still locked: nobody else is inside
+                os.rmdir(self.out)
         os.close(self.fd)  # closing the last descriptor drops the flock
         self.fd = None
 
