@@ -132,3 +132,51 @@ def test_a_unit_mixing_dtypes_is_refused_and_the_model_left_whole():
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(isinstance(p, nn.Parameter) for p in model.parameters())
     assert len(list(model.parameters())) == 10
+
+
+class TiedByHand(nn.Module):
+    """An output projection written as ``h @ embed.weight.T`` in the parent's forward,
+    not as a shared module attribute: the parameter is used outside its module."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = nn.Linear(D, 4, bias=False)
+        self.body = Block()
+        self.double()
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        return self.body(h @ self.embed.weight)
+
+
+def tied_by_hand(wrap):
+    """The embedding a unit of its own: a clear error on every rank (before this, the
+    placeholder was a meta tensor and ``cpu @ meta`` returned uninitialised memory);
+    the embedding in the root unit: trained exactly, as one process."""
+    torch.set_num_threads(1)
+    model = gs.FullyShardedDataParallel(TiedByHand(), wrap=wrap)
+    weight = model.module.embed.weight
+    meta = (tuple(weight.shape), weight.dtype, weight.requires_grad, weight.numel())
+    x, y = batch(0, gs.rank())
+    try:
+        model.backward(mse_sum(model(x), y) / len(x), num_items=len(x))
+    except gs.UsageError as e:
+        return meta, str(e)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt.step()
+    return meta, model.full_state_dict()
+
+
+@pytest.mark.timeout(120)
+def test_a_unit_parameter_used_outside_its_unit_is_refused_not_garbage():
+    for meta, error in gs.spawn(tied_by_hand, 2, {nn.Linear, Block}, timeout_s=60):
+        assert meta == ((4, D), torch.float64, False, 4 * D)  # metadata still answers
+        assert isinstance(error, str), "computed with a sharded parameter"
+        assert "'embed.weight'" in error and "unit 'embed'" in error and "matmul" in error
+    model = TiedByHand()
+    x, y = map(torch.cat, zip(batch(0, 0), batch(0, 1)))
+    (mse_sum(model(x), y) / len(x)).backward()
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    for _meta, state in gs.spawn(tied_by_hand, 2, {Block}, timeout_s=60):
+        assert max(float((state[k] - v).abs().max()) for k, v in model.state_dict().items()) < 1e-12

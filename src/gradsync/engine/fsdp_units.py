@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from .fsdp_freed import ShardedParameter
 from .precision import master_dtype
 from .replicas import ignored_names
 from .shard_view import ShardView
@@ -23,7 +24,8 @@ from .sharding import FlatShard
 class FlatUnit:
     """One flat-sharded group of parameters and its gathered buffer."""
 
-    def __init__(self, index, module, params, slots, world, rank, dtype):
+    def __init__(self, index, module, params, slots, world, rank, dtype, names=None,
+                 unit_name="the root"):
         self.index, self.module, self.slots = index, module, slots  # slots: [(mod, attr, k)]
         self.shapes = [p.shape for p in params]
         self.layout = FlatShard(tuple(p.numel() for p in params), world)
@@ -36,7 +38,9 @@ class FlatUnit:
         self.full = torch.zeros(self.layout.padded, dtype=dtype, requires_grad=True)
         # what the module attributes hold while the unit is freed: never a view of freed
         # storage (reading one crashes); shape and dtype kept, computing with it an error
-        self.freed = [torch.empty(s, dtype=dtype, device="meta") for s in self.shapes]
+        names = names or [f"#{k}" for k in range(len(params))]
+        self.freed = [ShardedParameter(s, dtype, n, unit_name)
+                      for s, n in zip(self.shapes, names)]
         self.full.untyped_storage().resize_(0)
         self.gather_pending = None  # the Pending gather while one is in flight
         self.acc: torch.Tensor | None = None  # unsharded gradient under no_sync
@@ -137,6 +141,7 @@ def build_units(module: nn.Module, wrap, world: int, rank: int,
     for m, pids in per_unit.items():  # before any module is changed
         _check_one_dtype(module, m, [params[i] for i in pids])
     dtype = param_dtype
+    qualified = {id(m): n for n, m in module.named_modules()}
     units = []
     for m in order:
         pids = per_unit.get(m)
@@ -144,8 +149,11 @@ def build_units(module: nn.Module, wrap, world: int, rank: int,
             continue
         plist = [params[i] for i in pids]
         us = [(mod, attr, k) for k, i in enumerate(pids) for mod, attr in slots[i]]
+        names = [".".join(filter(None, (qualified[id(slots[i][0][0])], slots[i][0][1])))
+                 for i in pids]
+        unit_name = f"unit {qualified[id(m)]!r}" if m is not module else "the root unit"
         units.append(FlatUnit(len(units), m, plist, us, world, rank,
-                           dtype or plist[0].dtype))
+                              dtype or plist[0].dtype, names, unit_name))
         for mod, attr, k in us:
             del mod._parameters[attr]
             setattr(mod, attr, units[-1].freed[k])
