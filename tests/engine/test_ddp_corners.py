@@ -16,6 +16,8 @@ gradients (<= 1e-12), or checks what DDP does:
 * a wrapper inside a parent module: the parent's state_dict round trip;
 * ``copy.deepcopy`` of the wrapper, and one pickled and loaded (``torch.save``),
   synchronise like the original; ``zero_grad()`` sets gradients to None, as torch's;
+* ``zero_grad(set_to_none=False)`` under ZeroOptimizer (stages 1 and 2) keeps zero
+  gradients like DDP's ``.grad`` tensors: the unused branch is stepped the same;
 * a checkpoint torch DDP saved (``module.`` keys) loads into DataParallel and into
   FullyShardedDataParallel, and the next steps match DDP's; the caller's dict is
   not renamed, and a module whose own child is named ``module`` is left alone.
@@ -140,6 +142,19 @@ def _unused_with_zeroed_grads(wrap):
     return _record(model.module)
 
 
+def _unused_with_zeroed_grads_zero(stage):
+    """The same under ZeroOptimizer: ``zero_grad(set_to_none=False)`` keeps zeroed
+    gradient shards, so the branch no rank uses after step 0 keeps decaying (before,
+    its gradient became None and it stood still, unlike DDP)."""
+    model = _gs(Branchy(), find_unused_parameters=True)
+    opt = gs.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=0.05, weight_decay=0.1)
+    for step in range(4):
+        model(_batch(step, gs.rank()), step == 0).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return {n: (p.detach().clone(), None) for n, p in model.module.named_parameters()}
+
+
 def _gs(module, **kw):
     return gs.DataParallel(module, bucket_cap_mb=1e-4, **kw)
 
@@ -221,7 +236,8 @@ def _jobs():
     jobs = []
     for fn in SCENARIOS:
         jobs += [(fn, (_gs,)), (fn, (_ddp,))]
-    return jobs + [(_wrapper_semantics, ()), (_ddp_checkpoint_loads, ())]
+    return jobs + [(_wrapper_semantics, ()), (_ddp_checkpoint_loads, ()),
+                   (_unused_with_zeroed_grads_zero, (1,)), (_unused_with_zeroed_grads_zero, (2,))]
 
 
 _cache: dict = {}
@@ -268,3 +284,12 @@ def test_a_torch_ddp_checkpoint_loads_and_training_continues_as_ddp():
     for gaps, untouched in _results(2 * len(SCENARIOS) + 1):
         assert gaps["dp"] <= TOL and gaps["fsdp"] <= TOL, gaps
         assert untouched  # the caller's dict keeps its keys
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_grad_keeping_zeros_under_zero_steps_unused_parameters_as_ddp(stage):
+    theirs = _results(2 * SCENARIOS.index(_unused_with_zeroed_grads) + 1)
+    ours = _results(2 * len(SCENARIOS) + 1 + stage)
+    for rank in range(2):
+        params = {n: (v[0], None) for n, v in theirs[rank].items()}
+        assert _gap(ours[rank], params) <= 1e-12, rank

@@ -28,7 +28,10 @@ order, root last: ``fsdp_reduce.py``) whatever order autograd happens to fire ho
 
 A parameter shared by two units (tied weights) belongs to the root unit, which is
 gathered for the whole forward. Every rank must run the same units in each forward
-(a rank with ``num_items=0`` and no forward replays its own last forward's gathers).
+(a rank with ``num_items=0`` and no forward replays its own last forward's gathers):
+each gather is a collective, so a branch that skips a unit on some ranks only leaves
+the ranks' collectives unmatched, a hang or a backend abort, as under torch's FSDP.
+Such a branch belongs inside one unit (or leave that module unwrapped).
 """
 
 from __future__ import annotations

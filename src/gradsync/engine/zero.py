@@ -325,8 +325,24 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradient shards and zero the buckets that are allocated.
 
-        Stage 2 does not re-allocate released buckets here; the next backward does.
+        ``set_to_none=False`` (torch's, as DDP users call it): the synced shards stay,
+        zeroed, with the parameters that had a gradient, so the next window adds to
+        zeros (``set_aside``) and a parameter no rank uses in it keeps a zero gradient
+        and is stepped (momentum, weight decay), as under DDP, where its ``.grad`` stays
+        a zero tensor. Stage 2 does not re-allocate released buckets here; the next
+        backward does.
         """
+        if not set_to_none and self._synced:
+            for s in self._shards:
+                if s.grad is not None:
+                    s.grad.zero_()
+                s.aside = None
+                s.view.clear_grads()
+                if s.bucket.buffer.untyped_storage().nbytes():
+                    s.bucket.buffer.zero_()
+            for p in self.model.parameters():
+                p.grad = None
+            return
         for s in self._shards:
             s.grad, s.aside = None, None
             s.view.clear_grads()
