@@ -270,3 +270,47 @@ def test_stage2_releases_buckets_during_backward():
     (peak2, _, _), = _results(2, 10)[:1]
     assert n >= 10 and peak1 == total
     assert peak2 <= 0.6 * total, (peak2, total, n)
+
+
+def _zeroing(stage):
+    """Each way a loop clears gradients between steps, against one process: the
+    optimizer's zero_grad and the wrapper's (what HF Trainer calls) clear ZeRO's
+    gradient shards; the unwrapped module's cannot see them, and the first backward
+    after such a step warns that it accumulates."""
+    import warnings
+
+    x, y = dataset()
+    out = {}
+    for how in ("optimizer", "wrapper", "module"):
+        torch.manual_seed(0)
+        module = mlp()
+        dp = gs.DataParallel(module)
+        opt = gs.ZeroOptimizer(dp, torch.optim.SGD, stage=stage, lr=0.1, momentum=0.9)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                rows = slice(16 * step + 8 * gs.rank(), 16 * step + 8 * gs.rank() + 8)
+                dp.backward(mse(dp(x[rows]), y[rows]), num_items=8)
+                opt.step()
+                {"optimizer": opt, "wrapper": dp, "module": module}[how].zero_grad()
+        out[how] = ([p.detach().clone() for p in module.parameters()],
+                    sum("still held" in str(w.message) for w in caught))
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_wrappers_zero_grad_clears_zero_gradient_shards(stage):
+    x, y = dataset()
+    torch.manual_seed(0)
+    ref = mlp()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        mse(ref(x[16 * step:16 * step + 16]), y[16 * step:16 * step + 16]).backward()
+        opt.step()
+        opt.zero_grad()
+    want = [p.detach() for p in ref.parameters()]
+    for got in gs.spawn(_zeroing, 2, stage, timeout_s=60):
+        for how in ("optimizer", "wrapper"):
+            assert max_gap(got[how][0], want) <= 1e-12, how
+            assert got[how][1] == 0, how
+        assert got["module"][1] == 1  # warned once, and (as torch would) accumulated

@@ -208,8 +208,11 @@ class BucketAccess:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's ``zero_grad``: gradients to None by default; with
-        ``set_to_none=False`` the buckets are zeroed in place and a None gradient stays None."""
+        ``set_to_none=False`` the buckets are zeroed in place and a None gradient stays None.
+        Gradients a reduction holds (ZeroOptimizer's shards) are zeroed with them, as
+        ``model.zero_grad()`` clears torch DDP's gradients whichever optimizer steps them."""
         self._reduction.prepare()
+        self._reduction.zero_grad(set_to_none)
         for b in self._layout.buckets:
             if not b.buffer.untyped_storage().nbytes():  # released by a sharded reduction
                 continue

@@ -53,6 +53,9 @@ class BucketReduction:
     def prepare(self) -> None:
         """Before gradients accumulate (a forward, or zero_grad)."""
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``model.zero_grad()``: gradients the reduction holds (ZeRO's shards) go too."""
+
     def ensure(self, bucket: Bucket) -> None:
         """Before a gradient is copied into ``bucket`` (re-allocate released storage)."""
 

@@ -37,6 +37,8 @@ Allowed: ``ELEMENTWISE``; a custom optimizer opts in with a class attribute
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..errors import UsageError
@@ -191,6 +193,8 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
         self.param_groups = self.optimizer.param_groups  # one truth: the inner optimizer's
         self.state = self.optimizer.state
         self._synced = False
+        self._stepped = False  # step() ran on synced gradients not zeroed since
+        self._warned_kept = False
         if any(sh.separate_master for sh in self._shards):  # weights loaded after building
             model.module.register_load_state_dict_pre_hook(self._masters_from_state_dict)
 
@@ -257,6 +261,14 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
         """Rule 2: gradient shards synced before this window are kept out of its sum."""
         if not self._synced:
             return
+        if self._stepped and not self._warned_kept:
+            self._warned_kept = True
+            warnings.warn(
+                "ZeroOptimizer: the gradients of the last step are still held (no "
+                "optimizer.zero_grad() or model.zero_grad() since step()), so this backward "
+                "adds to them, as torch accumulates .grad. If you meant to clear them: "
+                "module.zero_grad() on the unwrapped module does not reach ZeRO's gradient "
+                "shards; call the optimizer's or the wrapper's zero_grad()", stacklevel=2)
         for s in self._shards:
             s.aside = None if s.grad is None else (s.grad.clone(), list(s.has_grad))
         self._synced = False
@@ -318,6 +330,7 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
         for s in self._shards:
             s.view.assign_grads(s.grad if synced else None, s.has_grad)
         self.optimizer.step()
+        self._stepped = synced  # stepped on gradients that stay until zero_grad()
         self.gather_params()
         for s in self._shards:
             s.view.clear_grads()
@@ -332,6 +345,7 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
         a zero tensor. Stage 2 does not re-allocate released buckets here; the next
         backward does.
         """
+        self._stepped = False
         if not set_to_none and self._synced:
             for s in self._shards:
                 if s.grad is not None:
