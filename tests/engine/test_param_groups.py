@@ -6,6 +6,9 @@ weights, here also a different learning rate per group. DataParallel
 FullyShardedDataParallel (``model.param_groups``) must train exactly as one
 process with the same torch groups on the whole batch. Tiny buckets and units
 split parameters across ranks, so some ranks hold no piece of some parameters.
+Also with a parameter left out of every group (not stepped, its gradient never
+zeroed by the optimizer): stage 3 once carried the whole unit's old gradient into
+the next step when one piece of it still held a gradient.
 """
 
 import pytest
@@ -27,11 +30,13 @@ def _model():
     return m.double()
 
 
-def _groups(module, objects=True):
+def _groups(module, objects=True, omit=False):
     """Objects work where the wrapper keeps the module's parameters (not stage 3, whose
-    module has none after wrapping: names are taken before)."""
+    module has none after wrapping: names are taken before). ``omit``: the last bias
+    in no group."""
     decay = [n for n, p in module.named_parameters() if p.ndim >= 2]
     rest = [p if objects else n for n, p in module.named_parameters() if p.ndim < 2]
+    rest = rest[:-1] if omit else rest
     return [{"params": decay, "weight_decay": 0.2},
             {"params": rest, "weight_decay": 0.0, "lr": 0.05}]
 
@@ -43,21 +48,21 @@ def _data():
     return x, y
 
 
-def _train(kind):
+def _train(kind, omit=False):
     x, y = _data()
     module = _model()
     rank, world = gs.rank(), gs.world_size()
     if kind == "fsdp":
-        groups = _groups(module, objects=False)
+        groups = _groups(module, objects=False, omit=omit)
         model = gs.FullyShardedDataParallel(module, wrap={nn.Linear})
         opt = torch.optim.AdamW(model.param_groups(groups), lr=0.02)
     else:
         model = gs.DataParallel(module, bucket_cap_mb=0.0005, first_bucket_mb=0.0001)
         if kind == "dp":
-            opt = torch.optim.AdamW(model.param_groups(_groups(module)), lr=0.02)
+            opt = torch.optim.AdamW(model.param_groups(_groups(module, omit=omit)), lr=0.02)
         else:
             opt = gs.ZeroOptimizer(model, torch.optim.AdamW, stage=int(kind[-1]),
-                                   param_groups=_groups(module), lr=0.02)
+                                   param_groups=_groups(module, omit=omit), lr=0.02)
     for step in range(STEPS):
         xb, yb = x[step * 16:(step + 1) * 16], y[step * 16:(step + 1) * 16]
         lo, hi = rank * 16 // world, (rank + 1) * 16 // world
@@ -91,17 +96,18 @@ _cache = {}
 
 def _results():
     if not _cache:
-        jobs = [(_train, (k,)) for k in KINDS] + [(_errors, ())]
+        jobs = ([(_train, (k,)) for k in KINDS] + [(_errors, ())]
+                + [(_train, (k, True)) for k in KINDS])
         _cache["r"] = gs.spawn(run_jobs, WORLD, jobs, timeout_s=120)
     return _cache["r"]
 
 
-def _reference():
+def _reference(omit=False):
     x, y = _data()
     module = _model()
     by_name = dict(module.named_parameters())
     torch_groups = [{**g, "params": [by_name[p] if isinstance(p, str) else p for p in g["params"]]}
-                    for g in _groups(module)]
+                    for g in _groups(module, omit=omit)]
     opt = torch.optim.AdamW(torch_groups, lr=0.02)
     for step in range(STEPS):
         mse(module(x[step * 16:(step + 1) * 16]), y[step * 16:(step + 1) * 16]).backward()
@@ -110,10 +116,12 @@ def _reference():
     return module.state_dict()
 
 
+@pytest.mark.parametrize("omit", [False, True], ids=["all", "one-left-out"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_groups_by_name_train_as_one_process(kind):
-    ref = _reference()
-    for rank, (state, n_groups) in enumerate(job_results(_results(), KINDS.index(kind))):
+def test_groups_by_name_train_as_one_process(kind, omit):
+    ref = _reference(omit)
+    index = KINDS.index(kind) + (len(KINDS) + 1 if omit else 0)
+    for rank, (state, n_groups) in enumerate(job_results(_results(), index)):
         assert n_groups == 2
         gap = max(float((state[k] - v).abs().max()) for k, v in ref.items())
         assert gap <= SHARDED_TOL["adamw"], f"{kind} rank {rank}: {gap:.3e}"

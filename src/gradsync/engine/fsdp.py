@@ -220,11 +220,23 @@ class FullyShardedDataParallel(SyncedModule):
             u.joined = [False] * len(u.joined)
 
     def _set_aside(self) -> None:
+        """Rule 2, piece by piece: what each optimizer piece's ``.grad`` holds now (a
+        piece the optimizer zeroed holds None and contributes nothing, while a piece no
+        optimizer owns keeps accumulating, as a torch parameter outside the optimizer)."""
         for u in self._units:
-            has = [u.grad is not None and any(t.grad is not None for t, s in
-                                              zip(u.view.tensors, u.view.segments) if s.param == k)
-                   for k in range(len(u.shapes))]
-            u.aside = (u.grad, has) if u.grad is not None and any(has) else None
+            u.aside = None
+            if u.grad is not None:
+                kept, has = u.grad, [False] * len(u.shapes)
+                for t, s in zip(u.view.tensors, u.view.segments):
+                    piece = kept[s.shard_offset:s.shard_offset + s.numel]
+                    if t.grad is None:
+                        piece.zero_()
+                    else:
+                        has[s.param] = True
+                        if t.grad.data_ptr() != piece.data_ptr():  # replaced, not a view
+                            piece.copy_(t.grad)
+                if any(has):
+                    u.aside = (kept, has)
             u.grad = None
 
     def _take_back(self) -> None:
