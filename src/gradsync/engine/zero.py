@@ -366,7 +366,6 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
             p.grad = None
         self._synced = False
 
-    # ------------------------------------------------------------------ state
     # ------------------------------------------------------------ torch's Joinable
     _join_config = disabled_join_config()  # torch's Join sets it; the model notifies
 
@@ -392,6 +391,7 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
     def join_process_group(self):
         return self.model.join_process_group
 
+    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """This rank's shard: master slices, inner optimizer state and the layout."""
         return {"stage": self.stage, "world": self.world, "rank": self.rank,
