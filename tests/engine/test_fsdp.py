@@ -204,3 +204,38 @@ def test_units_kept_for_backward_are_refreshed_by_the_next_forward():
     assert kept == [True, False, True]  # root, first block, last block
     assert same  # the next forward used the changed shards
     assert gathered == [0, 0, 0]  # an eval forward keeps nothing gathered
+
+
+def _bf16_with_frozen(kind):
+    """A frozen first layer (fine-tuning a pretrained stem) under bf16: stage 3 casts
+    it to the compute dtype as DataParallel's mixed precision does (it stayed float32,
+    and its forward met bf16 inputs: a dtype error)."""
+    x, y = dataset()
+    x, y = x.float(), y.float()
+    module = Net(hidden=32).float()
+    frozen = next(module.children())
+    frozen.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in frozen.named_parameters()}
+    mp = gs.MixedPrecision()
+    if kind == "fsdp":
+        model = gs.FullyShardedDataParallel(module, wrap={Block}, mixed_precision=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        model = gs.DataParallel(module)
+        opt = gs.MixedPrecisionOptimizer(model, torch.optim.AdamW, mp, lr=1e-2)
+    rows = list(range(gs.rank() * 24, gs.rank() * 24 + 24))
+    for _ in range(2):
+        model.backward(mse(model(x[rows]).float(), y[rows]), num_items=len(rows))
+        opt.step()
+        opt.zero_grad()
+    state = model.full_state_dict() if kind == "fsdp" else module.state_dict()
+    after = {n: p.detach() for n, p in frozen.named_parameters()}
+    unchanged = all(torch.equal(after[n], before[n].to(after[n].dtype)) for n in before)
+    return {k: v.float() for k, v in state.items()}, unchanged, str(after["weight"].dtype)
+
+
+def test_bf16_with_a_frozen_layer_trains_as_data_parallel():
+    fsdp, dp = (gs.spawn(_bf16_with_frozen, 2, kind, timeout_s=60)[0] for kind in ("fsdp", "dp"))
+    assert fsdp[1] and dp[1] and fsdp[2] == dp[2] == "torch.bfloat16"
+    for name, value in dp[0].items():  # fp32 sums in another order: a bf16 ulp at most
+        assert torch.allclose(fsdp[0][name].bfloat16().float(), value, rtol=2**-7, atol=1e-3), name

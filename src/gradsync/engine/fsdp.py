@@ -52,7 +52,7 @@ from .fsdp_gather import UnitGatherer
 from .fsdp_reduce import UnitReducer
 from .fsdp_state import full_state_dict, load_full_state_dict
 from .fsdp_units import build_units, first_names
-from .precision import MixedPrecision, cast_buffers_, cast_inputs_hook
+from .precision import MixedPrecision, cast_buffers_, cast_frozen_params_, cast_inputs_hook
 from .replicas import (
     broadcast_module_state,
     comm_device,
@@ -110,6 +110,7 @@ class FullyShardedDataParallel(SyncedModule):
         names = {id(m): n for n, m in module.named_modules()}
         if mixed_precision is not None:
             cast_buffers_(module, mixed_precision.param_dtype)
+            cast_frozen_params_(module, mixed_precision.param_dtype)
         self._units = build_units(module, wrap, self.world, self.rank,
                                   mixed_precision.param_dtype if mixed_precision else None)
         verify_same_setup({"units (module, parameter sizes)": [

@@ -71,6 +71,20 @@ def cast_buffers_(module: nn.Module, dtype: torch.dtype) -> None:
                 b.data = b.data.to(dtype)
 
 
+def cast_frozen_params_(module: nn.Module, dtype: torch.dtype) -> None:
+    """Frozen floating-point parameters to the compute dtype, in place.
+
+    Stage 3 shards (and keeps fp32 masters of) trainable parameters only; a frozen
+    fp32 weight left beside bf16 activations makes its layer's forward a dtype error.
+    DataParallel's and ZeRO's mixed precision cast every parameter, frozen ones
+    included, and stage 3 does the same for the ones it does not shard.
+    """
+    with torch.no_grad():
+        for p in module.parameters():
+            if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+
 def cast_inputs_hook(dtype: torch.dtype):
     """A forward pre-hook (with kwargs) casting floating-point inputs to ``dtype``."""
     def hook(module: nn.Module, args, kwargs):
