@@ -24,8 +24,7 @@ from .sharding import FlatShard
 class FlatUnit:
     """One flat-sharded group of parameters and its gathered buffer."""
 
-    def __init__(self, index, module, params, slots, world, rank, dtype, names=None,
-                 unit_name="the root"):
+    def __init__(self, index, module, params, slots, world, rank, dtype, names, unit_name):
         self.index, self.module, self.slots = index, module, slots  # slots: [(mod, attr, k)]
         self.shapes = [p.shape for p in params]
         self.layout = FlatShard(tuple(p.numel() for p in params), world)
@@ -38,7 +37,6 @@ class FlatUnit:
         self.full = torch.zeros(self.layout.padded, dtype=dtype, requires_grad=True)
         # what the module attributes hold while the unit is freed: never a view of freed
         # storage (reading one crashes); shape and dtype kept, computing with it an error
-        names = names or [f"#{k}" for k in range(len(params))]
         self.freed = [ShardedParameter(s, dtype, n, unit_name)
                       for s, n in zip(self.shapes, names)]
         self.full.untyped_storage().resize_(0)
