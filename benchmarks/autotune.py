@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 import gradsync as gs
-from gradsync.engine.autotune import candidate_caps_mb
+from gradsync.engine.buckets.autotune import candidate_caps_mb
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from ddp_vs_torch import _setup  # noqa: E402  (same models and batches as the DDP benchmark)

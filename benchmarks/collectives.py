@@ -5,7 +5,7 @@ Usage: PYTHONPATH=src python benchmarks/collectives.py [--world 2] [--reps 7] [M
 Columns: ``all_reduce`` (then keep a slice), gloo's ``reduce_scatter``, the
 ``pairwise`` point-to-point reduce-scatter, gloo's ``all_gather``, an all-gather
 done as an all-reduce of a zero-filled buffer, and the ``pairwise`` gather: the
-candidates ``gradsync.engine.shard_comm.ShardComm`` chooses between per backend
+candidates ``gradsync.engine.transport.shard_comm.ShardComm`` chooses between per backend
 (its docstring quotes these figures). Each cell is the best of 3 alternating
 medians of ``--reps`` timed calls.
 """
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 import gradsync as gs
-from gradsync.engine.replicas import comm_device
-from gradsync.engine.shard_comm import CHOICES, ShardComm
+from gradsync.engine.sync.replicas import comm_device
+from gradsync.engine.transport.shard_comm import CHOICES, ShardComm
 
 COLUMNS = [("reduce", "all_reduce"), ("reduce", "native"), ("reduce", "pairwise"),
            ("gather", "native"), ("gather", "all_reduce"), ("gather", "pairwise")]

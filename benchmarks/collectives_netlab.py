@@ -10,7 +10,7 @@ For each configuration (H emulated hosts x g ranks per host, links at ``--rate``
 each way) one torchrun agent per host starts g workers, which first time the
 intra- and inter-host links (``gradsync.calibrate.links``: an exchange between
 two ranks, fitted to alpha + bytes x beta), then time every algorithm of
-``gradsync.engine.algorithms`` (ring, binomial tree, parameter server,
+``gradsync.engine.transport.algorithms`` (ring, binomial tree, parameter server,
 hierarchical) per message size: a barrier, one all-reduce (messages under 1 MB
 repeated up to 8 times and averaged), the slowest rank's time, median of
 ``--reps``. The prediction next to each measurement is ``plan.two_level`` with
@@ -49,8 +49,8 @@ def worker(points: list[tuple[str, int]], link_sizes: list[int], reps: int, out:
 
     import gradsync as gs
     from gradsync.calibrate.links import measure_worker
-    from gradsync.engine import comm
-    from gradsync.engine.algorithms import ALGORITHMS, HostTopology, hierarchical
+    from gradsync.engine.transport import comm
+    from gradsync.engine.transport.algorithms import ALGORITHMS, HostTopology, hierarchical
 
     torch.set_num_threads(1)
     gs.init()

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 import gradsync as gs
-from gradsync.engine import comm
-from gradsync.engine.bucketing import ParamSpec, mb_to_bytes, plan_buckets
+from gradsync.engine.buckets.plan import ParamSpec, mb_to_bytes, plan_buckets
 from gradsync.engine.compress import gradient_distance, parse_compression
+from gradsync.engine.transport import comm
 from gradsync.models import build_model
 
 METHODS = ["exact", "torch bf16", "bf16", "fp16", "int8", "powersgd:1", "powersgd:4"]

@@ -36,7 +36,7 @@ from gradsync.plan.simulate import simulate_step
 
 
 def _dp(spec: str, bucket_mb: float):
-    from gradsync.engine.data_parallel import DataParallel
+    from gradsync.engine.replicated.data_parallel import DataParallel
 
     work = build_workload(spec)
     dp = DataParallel(work.model, bucket_cap_mb=bucket_mb)

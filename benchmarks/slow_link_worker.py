@@ -30,8 +30,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.engine.compress.base import ring_bytes
-from gradsync.engine.memory import MemoryReport, optimizer_bytes
-from gradsync.engine.strategy import STRATEGIES, Strategy, register_strategy
+from gradsync.engine.replicated.memory_report import MemoryReport, optimizer_bytes
+from gradsync.engine.strategy.base import STRATEGIES, Strategy, register_strategy
 from gradsync.models import DeepMLP
 
 

@@ -33,7 +33,8 @@ import types
 import torch
 
 import gradsync as gs
-from gradsync.engine import data_parallel, tracing
+from gradsync.engine.replicated import data_parallel
+from gradsync.engine.transport import tracing
 
 _TRACE_NAMES = {"tracing", "tracer", "t_wait"}
 

@@ -16,8 +16,15 @@ import pytest
 import torch
 
 import gradsync as gs
-from gradsync.engine import comm
-from gradsync.engine.algorithms import ALGORITHMS, HostTopology, hierarchical, ring, server, tree
+from gradsync.engine.transport import comm
+from gradsync.engine.transport.algorithms import (
+    ALGORITHMS,
+    HostTopology,
+    hierarchical,
+    ring,
+    server,
+    tree,
+)
 from gradsync.errors import UsageError
 from gradsync.plan.two_level import schedule
 

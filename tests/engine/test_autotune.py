@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import gradsync as gs
-from gradsync.engine.autotune import BucketAutotuner, candidate_caps_mb
+from gradsync.engine.buckets.autotune import BucketAutotuner, candidate_caps_mb
 from tests.helpers import dataset, dp_train, even_schedule, max_gap, mlp, reference_train
 
 

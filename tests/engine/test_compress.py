@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync as gs
-from gradsync.engine import comm
 from gradsync.engine.compress import (
     HalfPrecisionCompressor,
     Int8Compressor,
@@ -31,6 +30,7 @@ from gradsync.engine.compress import (
 from gradsync.engine.compress.codecs import Bf16Codec, Fp16Codec, Int8Codec
 from gradsync.engine.compress.powersgd import plan_matrices
 from gradsync.engine.compress.quantized import slice_bounds
+from gradsync.engine.transport import comm
 from tests.helpers import job_results, run_jobs
 
 SHAPES = [(40, 30), (30,), (7, 3), (301,)]  # 1,852 elements: int8 slices of 256 do not divide

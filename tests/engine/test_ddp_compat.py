@@ -72,7 +72,7 @@ def _hooks_job():
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-    from gradsync.engine import comm
+    from gradsync.engine.transport import comm
 
     x, y = dataset()
     out = {}

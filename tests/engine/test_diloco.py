@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from gradsync.engine import comm
-from gradsync.engine.diloco import local_sgd_outer_optimizer
-from gradsync.engine.diloco_fragments import split_parameters
+from gradsync.engine.local.diloco import local_sgd_outer_optimizer
+from gradsync.engine.local.fragments import split_parameters
+from gradsync.engine.transport import comm
 from tests.helpers import (
     dataset,
     errors_of,
@@ -59,7 +59,7 @@ def _outer(kind):
 
 
 def _outer_factory(kind):
-    from gradsync.engine.diloco import default_outer_optimizer
+    from gradsync.engine.local.diloco import default_outer_optimizer
     return _outer(kind) or default_outer_optimizer
 
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import gradsync as gs
-from gradsync.engine import comm
-from gradsync.engine.algorithms import HostTopology
+from gradsync.engine.transport import comm
+from gradsync.engine.transport.algorithms import HostTopology
 from tests.engine.test_diloco import (
     DP,
     LR,

@@ -6,7 +6,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import gradsync as gs
-from gradsync.engine import comm
+from gradsync.engine.transport import comm
 from tests.helpers import (
     D_IN,
     D_OUT,
@@ -272,7 +272,7 @@ def test_mixing_num_items_and_plain_backward_is_an_error():
 
 @pytest.mark.parametrize("bad", [-1, float("nan"), "three", 2.5])
 def test_bad_num_items_rejected(bad):
-    from gradsync.engine.sync_core import as_count as _as_count
+    from gradsync.engine.sync.core import as_count as _as_count
 
     with pytest.raises(gs.UsageError, match="num_items"):
         _as_count(bad)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from gradsync.engine import comm
+from gradsync.engine.transport import comm
 from tests.engine.test_zero import Tied, Tiny
 from tests.helpers import (
     D_IN,

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from gradsync.engine.fsdp_units import build_units
+from gradsync.engine.sharded.fsdp.units import build_units
 
 D = 6
 LR = 0.1

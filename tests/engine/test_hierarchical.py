@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import gradsync as gs
-from gradsync.engine import comm
-from gradsync.engine.algorithms import HostTopology
-from gradsync.engine.zero_checkpoint import load_sharded, save_sharded
+from gradsync.engine.sharded.checkpoint import load_sharded, save_sharded
+from gradsync.engine.transport import comm
+from gradsync.engine.transport.algorithms import HostTopology
 from tests.engine.test_fsdp import Block, Net
 from tests.helpers import (
     SHARDED_TOL,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gradsync.engine.item_window import HEADER_SLOTS, MAX_ITEMS, ItemWindow
+from gradsync.engine.sync.item_window import HEADER_SLOTS, MAX_ITEMS, ItemWindow
 from gradsync.errors import UsageError
 
 

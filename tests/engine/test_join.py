@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join as TorchJoin
 
 import gradsync as gs
-from gradsync.engine import comm
+from gradsync.engine.transport import comm
 from tests.helpers import D_IN, D_OUT, job_results, mlp, run_jobs
 
 WORLD, ACCUM, TOL = 3, 2, 1e-12

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync as gs
-from gradsync.engine import comm
+from gradsync.engine.transport import comm
 from tests.helpers import D_IN, D_OUT, job_results, run_jobs
 
 WORLD, C, TOL = 3, 4, 1e-12

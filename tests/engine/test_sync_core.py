@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync as gs
-from gradsync.engine import comm
+from gradsync.engine.transport import comm
 from tests.helpers import job_results, max_gap, run_jobs
 
 KINDS = ("ddp", "zero2", "zero3")

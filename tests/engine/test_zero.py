@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from gradsync.engine import comm
+from gradsync.engine.transport import comm
 from tests.helpers import (
     D_OUT,
     SHARDED_STEPS,

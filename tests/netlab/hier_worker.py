@@ -12,7 +12,7 @@ import sys
 import torch
 
 import gradsync as gs
-from gradsync.engine.algorithms import HostTopology, hierarchical, ring
+from gradsync.engine.transport.algorithms import HostTopology, hierarchical, ring
 
 
 def contribution(rank: int, numel: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ collective. The checksums are bit-exact, so a perturbation that keeps the sum
 import torch
 
 import gradsync as gs
-from gradsync.engine.drift import check_replicas, parameter_checksums
+from gradsync.engine.sync.drift import check_replicas, parameter_checksums
 from gradsync.errors import ReplicaMismatchError
 from tests.helpers import mlp
 

@@ -11,8 +11,8 @@ import json
 import torch
 
 import gradsync as gs
-from gradsync.engine import comm, tracing
-from gradsync.engine.tracing import Tracer
+from gradsync.engine.transport import comm, tracing
+from gradsync.engine.transport.tracing import Tracer
 from gradsync.observe.chrome import chrome_trace, rank_payload
 from tests.helpers import dataset, mse
 

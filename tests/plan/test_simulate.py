@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradsync.engine.bucketing import mb_to_bytes, plan_buckets
+from gradsync.engine.buckets.plan import mb_to_bytes, plan_buckets
 from gradsync.errors import UsageError
 from gradsync.plan.profile import (
     PROFILE_VERSION,

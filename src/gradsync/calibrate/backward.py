@@ -173,7 +173,7 @@ def worker_measure(spec: str, micro_batch, seq_len, runs: int, warmup: int,
 
     import torch.distributed as dist
 
-    from ..engine.data_parallel import DataParallel
+    from ..engine.replicated.data_parallel import DataParallel
 
     work = build_workload(spec, micro_batch, seq_len)
     dp = DataParallel(work.model)

@@ -84,8 +84,8 @@ def _issue(op: str, nbytes: int, world: int):
     """Buffers for one op and a closure that runs it synchronously through engine.comm."""
     import torch
 
-    from ..engine import comm
-    from ..engine.replicas import comm_device
+    from ..engine.sync.replicas import comm_device
+    from ..engine.transport import comm
 
     numel, dev = nbytes // ITEMSIZE, comm_device()
     if op == "all_reduce":

@@ -76,7 +76,7 @@ def _time_pair(pair: tuple[int, int], sizes: Sequence[int], reps: int, warmup: i
     import torch
     import torch.distributed as dist
 
-    from ..engine.algorithms.rounds import exchange
+    from ..engine.transport.algorithms.rounds import exchange
 
     me = dist.get_rank()
     rows = []
@@ -107,8 +107,8 @@ def measure_worker(sizes: Sequence[int], reps: int) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from ..engine import comm
-    from ..engine.algorithms import HostTopology
+    from ..engine.transport import comm
+    from ..engine.transport.algorithms import HostTopology
 
     top = HostTopology.from_env()
     g, world = top.ranks_per_host, top.world_size

@@ -54,8 +54,8 @@ def measure_overlap_worker(work, dp, backward_s: float, seconds_per_byte: float,
     import torch
     import torch.distributed as dist
 
-    from ..engine import comm
-    from ..engine.replicas import comm_device
+    from ..engine.sync.replicas import comm_device
+    from ..engine.transport import comm
 
     dev = comm_device()
     size = torch.tensor([chain_bytes(backward_s, seconds_per_byte)], dtype=torch.int64,

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..data.regression import make_regression
-from ..engine.data_parallel import DataParallel
+from ..engine.replicated.data_parallel import DataParallel
 from ..models.mlp import TanhMLP
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..engine.tracing import Tracer
+from ..engine.transport.tracing import Tracer
 from ..rundir import TRACE
 
 COMPUTE_TID = 0

@@ -4,7 +4,7 @@ Exposed communication is the time the training loop was *blocked* on a
 collective: the end of backward waiting for buckets still in flight, plus every
 synchronous collective (buffer broadcasts, the step's statistics gather, a drift
 check). It is read from the collective events' ``waited_s`` through
-:mod:`gradsync.engine.comm`'s observer door, so it needs no tracer and no extra
+:mod:`gradsync.engine.transport.comm`'s observer door, so it needs no tracer and no extra
 synchronisation; compute time is the step time minus it. Communication hidden
 behind backward costs nothing here, which is the point of overlapping
 (DDP paper, arXiv 2006.15704, section 3.2.3).
@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from ..engine import comm
+from ..engine.transport import comm
 
 
 class StepMeter:

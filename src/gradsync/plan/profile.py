@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
-from ..engine.bucketing import ParamSpec
+from ..engine.buckets.plan import ParamSpec
 from ..errors import UsageError
 
 PROFILE_VERSION = 1

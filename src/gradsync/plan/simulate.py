@@ -30,7 +30,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..engine.bucketing import mb_to_bytes, plan_buckets
+from ..engine.buckets.plan import mb_to_bytes, plan_buckets
 from ..errors import UsageError
 from .contention import contended_schedule
 from .profile import StepProfile

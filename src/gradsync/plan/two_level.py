@@ -1,6 +1,6 @@
 """Predicted all-reduce time on hosts of several ranks: a fast link inside, a slow one between.
 
-Every algorithm of ``gradsync.engine.algorithms`` is a fixed sequence of rounds of
+Every algorithm of ``gradsync.engine.transport.algorithms`` is a fixed sequence of rounds of
 point-to-point messages; this module lists the same rounds (``schedule``) and
 prices them with two alpha-beta links (Hockney's model, one ``Link`` each for
 inside a host and between hosts, as ``gradsync netlab calibrate`` measures them):

@@ -7,7 +7,7 @@ Units convention of the planner: **GB means 10^9 bytes** and GB/s means 10^9
 bytes per second (as vendors quote link bandwidth and as the ZeRO paper counts
 memory). Binary units are accepted when written as such (GiB = 2^30). The
 simulator's bucket sizes stay in DDP's MB, which is MiB (see
-``gradsync.engine.bucketing.mb_to_bytes``).
+``gradsync.engine.buckets.plan.mb_to_bytes``).
 """
 
 from __future__ import annotations

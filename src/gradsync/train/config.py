@@ -14,8 +14,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 
 from ..dist import BACKENDS
-from ..engine.strategy import FIXED_BUCKETS, PRECISIONS, STRATEGIES
-from ..engine.sync_options import COLLECTIVES, SYNC_METHODS, SyncOptions
+from ..engine.strategy.base import FIXED_BUCKETS, PRECISIONS, STRATEGIES
+from ..engine.strategy.options import COLLECTIVES, SYNC_METHODS, SyncOptions
 from ..errors import UsageError
 from ..factory import is_factory_spec
 from ..models import MODELS

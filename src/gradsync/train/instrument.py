@@ -21,9 +21,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..engine import comm
-from ..engine.drift import check_replicas
-from ..engine.tracing import Tracer
+from ..engine.sync.drift import check_replicas
+from ..engine.transport import comm
+from ..engine.transport.tracing import Tracer
 from ..errors import ReplicaMismatchError
 from ..observe.chrome import rank_payload, write_trace
 from ..observe.metrics import StepMeter, peak_memory_bytes

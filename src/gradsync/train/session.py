@@ -19,7 +19,7 @@ import torch
 
 from .. import dist as gdist
 from ..data.sampler import StepSampler
-from ..engine.strategy import Strategy, build_strategy
+from ..engine.strategy.base import Strategy, build_strategy
 from ..errors import UsageError
 from ..rundir import (
     CHECKPOINT,

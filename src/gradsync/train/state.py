@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from .. import dist as gdist
 from ..data.sampler import StepSampler
-from ..engine import comm
-from ..engine.zero_checkpoint import load_sharded, save_sharded
+from ..engine.sharded.checkpoint import load_sharded, save_sharded
+from ..engine.transport import comm
 from ..errors import UsageError
 from ..rundir import SHARDS
 from .checkpoint import FORMAT, VERSION, atomic_save, load_checkpoint, storage_error

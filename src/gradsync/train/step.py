@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from ..data.sampler import StepSampler
-from ..engine import comm, tracing
+from ..engine.transport import comm, tracing
 from ..errors import GradsyncError
 from ..rundir import StepRecord
 from .session import Session

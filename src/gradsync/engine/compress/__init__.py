@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from ...errors import UsageError
 from .base import CompressionStats, Compressor, gradient_distance
-from .buckets import CompressedBuckets
 from .powersgd import PowerSGDCompressor
 from .quantized import HalfPrecisionCompressor, Int8Compressor, QuantizedCompressor
+from .reduction import CompressedBuckets
 
 COMPRESSION_CHOICES = ("none", "bf16", "fp16", "powersgd:R", "int8")
 COMPRESSION_HELP = ("gradient compression: none (exact), bf16 or fp16 (16 bits on every hop, "

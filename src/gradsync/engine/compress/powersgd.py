@@ -45,7 +45,7 @@ import math
 import numpy as np
 import torch
 
-from .. import comm
+from ..transport import comm
 from .base import Compressor, forget_nonfinite_, ring_bytes
 
 

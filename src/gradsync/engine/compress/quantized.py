@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
+from ..transport import comm
 from .base import Compressor, forget_nonfinite_
 from .codecs import Bf16Codec, Codec, Fp16Codec, Int8Codec
 

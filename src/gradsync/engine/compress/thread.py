@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import comm
-from ..comm_thread import CommThread, private_group
+from ..transport import comm
+from ..transport.comm_thread import CommThread, private_group
 from .base import Compressor
 
 __all__ = ["CompressionThread", "private_group"]

@@ -1,0 +1,92 @@
+"""DataParallel with compressed buckets: a bucket reduction that sends through a compressor.
+
+``gs.DataParallel(module, reduction=CompressedBuckets(parse_compression("int8")))``.
+DataParallel keeps its hooks, launch order, item header and ``num_items``
+division (``engine/reduction.py``); only how a ready bucket travels changes:
+
+* the first ``exact_windows`` synchronised windows (default 1) are all-reduced
+  exactly: DataParallel rebuilds its buckets once, after its first synchronised
+  backward, and a compressor's state (residuals, PowerSGD's Q) belongs to one
+  layout; the same rule as torch's ``start_powerSGD_iter`` >= 2;
+* afterwards each bucket is handed to the compressor on a communication thread
+  over a process group of its own (``thread.py``), so the encoding overlaps the
+  rest of backward, and the item header travels separately, exactly.
+
+The gradient DataParallel hands the optimizer is then the compressed sum divided
+by the exact global item count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..buckets.reduction import AllReduceBuckets
+from ..transport import comm
+from .base import Compressor, gradient_distance
+from .thread import CompressionThread
+
+
+class CompressedBuckets(AllReduceBuckets):
+    """Bucket reduction through ``compressor`` (see the module docstring).
+
+    reduce_dtype: as for :class:`AllReduceBuckets` (compress fp32 sums of a bf16 model).
+    comm_group: the compression thread's group (default: a new one with the same ranks).
+    """
+
+    exact_sum = False  # the item header travels separately, exactly
+
+    def __init__(self, compressor: Compressor, exact_windows: int = 1,
+                 reduce_dtype: torch.dtype | None = None, comm_group=None,
+                 probe_every: int = 0):
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"CompressedBuckets needs a Compressor, got {type(compressor).__name__}"
+                            " (parse_compression('none') is None: use no reduction at all)")
+        if isinstance(exact_windows, bool) or not isinstance(exact_windows, int) \
+                or exact_windows < 0:
+            raise ValueError(f"exact_windows must be an int >= 0, got {exact_windows!r}")
+        super().__init__(reduce_dtype)
+        self.compressor = compressor
+        self.exact_windows = exact_windows
+        self.windows = 0  # synchronised windows completed
+        self._comm_group = comm_group
+        self._thread: CompressionThread | None = None
+        self.probe_every = int(probe_every)
+        self.last_distance: tuple[float, float] | None = None  # (cosine, relative error)
+        self._probes: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def attach(self, dp) -> None:
+        super().attach(dp)
+        if self._thread is None:
+            self._thread = CompressionThread(self.compressor, dp.group, self._comm_group)
+
+    def probing(self) -> bool:
+        """This window also sums an exact copy, to measure the distance from exact."""
+        w = self.windows - self.exact_windows
+        return bool(self.probe_every) and w >= 0 and w % self.probe_every == 0
+
+    def communicate(self, bucket, src):
+        if self.windows < self.exact_windows:
+            return super().communicate(bucket, src)
+        shapes = [p.shape for p in bucket.params]
+        exact = src.clone() if self.probing() else None
+        pending = self._thread.launch(bucket.spec.index, src, shapes)
+        if exact is None:
+            return pending
+        self._probes[bucket.spec.index] = (src, exact, bucket.spec.numel)
+        # on the same thread, after the compressed sum: waiting for it waits for both
+        return self._thread.submit(comm.all_reduce, exact, self._thread.group,
+                                   tag=f"probe{bucket.spec.index}")
+
+    def complete(self, divisor: float, used: list[bool]) -> None:
+        if self._probes:  # the whole gradient, compressed vs exact (both still sums)
+            probes = [self._probes[k] for k in sorted(self._probes)]
+            approx = torch.cat([a[:n].double() for a, _e, n in probes])
+            exact = torch.cat([e[:n].double() for _a, e, n in probes])
+            self.last_distance = gradient_distance(approx, exact)
+            self._probes = {}
+        self.windows += 1
+        super().complete(divisor, used)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.close()

@@ -1,0 +1,330 @@
+"""DiLoCo and Local SGD: many local steps, then one exchange of where the replicas went.
+
+DiLoCo (Douillard et al., arXiv 2311.08105, Algorithm 1): every worker runs
+``H`` inner optimizer steps with no communication, then the workers average
+their *pseudo-gradient* (the parameters at the last sync minus the parameters
+now) and an outer optimizer (SGD, lr 0.7, momentum 0.9, Nesterov: the paper's
+choice, section 3) steps a global copy with it; every worker continues from the
+global copy. Traffic drops by ``H`` against synchronous data parallelism. Local
+SGD (Stich, arXiv 1805.09767; torch's PostLocalSGD) is the special case of an
+outer SGD with lr 1 and no momentum: the new global copy is the average of the
+replicas.
+
+Weighting, where gradsync differs from both anchors: the paper and torch divide
+the summed pseudo-gradients by the number of workers. Here each worker's
+pseudo-gradient is weighted by the items it processed since the last sync
+(``step(num_items=n)``), so a worker that saw twice the data counts twice, and a
+worker that saw none does not count. With ``H = 1``, inner SGD and an outer SGD
+of lr 1 this is exactly synchronous data-parallel SGD on the global batch (tested
+to 1e-12 in float64 with uneven items); with equal items it is the paper's
+average. ``num_items=None`` counts one per step (the paper's weighting when every
+worker takes the same steps).
+
+Buffers (BatchNorm running statistics): floating-point buffers are averaged at
+every sync with the same item weights (a replica that saw more data has better
+statistics); integer buffers (``num_batches_tracked``) take rank 0's value. With
+``sync_buffers=False`` they stay local.
+
+Workers may be hosts rather than ranks (``topology=HostTopology(...)``): the DiLoCo
+paper's workers are islands of accelerators training synchronously inside, with
+local updates only across the slow links between them. The caller makes each host
+one replica (``gs.DataParallel(module, group=topology.intra_group)``: exact inside the
+host); DiLoCo then sums pseudo-gradients with the two-level all-reduce, so the
+inter-host link carries each host's pseudo-gradient once, split over its ranks, and
+the item weights add up to each host's items with no extra step.
+
+Nothing here is exact against one process except the ``H = 1`` case above: local
+updates spend exactness on purpose, and ``gradsync verify`` never calls them exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...errors import UsageError
+from ..compress import Compressor, parse_compression
+from ..compress.base import ring_bytes
+from ..sync.item_window import as_count
+from ..sync.replicas import broadcast_module_state, broadcast_tensors, verify_same_structure
+from ..transport import comm
+from ..transport.algorithms import hierarchical
+from ..transport.algorithms.topology import HostTopology
+from .fragments import Fragment, build_outer_optimizer, split_parameters
+
+
+def default_outer_optimizer(params) -> torch.optim.Optimizer:
+    """The DiLoCo paper's outer optimizer (arXiv 2311.08105, section 3)."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def local_sgd_outer_optimizer(params) -> torch.optim.Optimizer:
+    """Outer SGD lr 1, no momentum: the global copy becomes the (item-weighted) average."""
+    return torch.optim.SGD(params, lr=1.0)
+
+
+def as_items(num_items) -> float:
+    """Items of one inner step: ``None`` counts one (every worker takes the same steps)."""
+    return 1.0 if num_items is None else as_count(num_items)
+
+
+@dataclass(frozen=True)
+class DiLoCoStats:
+    """Communication of this rank so far.
+
+    bytes_sent: what this rank put on the wire for pseudo-gradients, item counts and
+        buffers (exact all-reduces counted as 2 (N-1)/N of their size).
+    exact_bytes: the same for uncompressed pseudo-gradients.
+    """
+
+    steps: int
+    syncs: int
+    bytes_sent: int
+    exact_bytes: int
+    last_sync_bytes: int
+
+    @property
+    def bytes_per_sync(self) -> float:
+        return self.bytes_sent / self.syncs if self.syncs else 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.exact_bytes / self.bytes_sent if self.bytes_sent else math.nan
+
+
+def resolve_compressor(compress) -> Compressor | None:
+    if compress is None or isinstance(compress, Compressor):
+        return compress
+    if isinstance(compress, str):
+        return parse_compression(compress)
+    raise UsageError(f"compress must be None, a string like 'int8' or a Compressor, "
+                     f"got {type(compress).__name__}")
+
+
+class DiLoCo:
+    """Local inner steps, then an outer step on the item-weighted pseudo-gradient every H steps.
+
+    Args:
+        model: a plain ``nn.Module`` replica (same structure on every rank, checked;
+            rank 0's parameters and buffers are broadcast at construction).
+        inner_optimizer: the optimizer the caller steps every inner step; DiLoCo
+            never steps it, but saves and restores it in ``state_dict()``.
+        outer_optimizer: ``lambda params: torch.optim.X(params, ...)`` or an optimizer over
+            ``model.parameters()``, (re)built over the global copy; default
+            SGD(lr=0.7, momentum=0.9, nesterov=True).
+        sync_every: H, inner steps between syncs.
+        group: process group (default: the world).
+        topology: a :class:`HostTopology` (instead of ``group``): a DiLoCo worker per
+            host. Replicas must be identical inside a host (DataParallel over
+            ``topology.intra_group``); pseudo-gradients travel by the two-level
+            all-reduce. Not with ``compress``.
+        compress: ``None`` (exact all-reduce), ``"bf16"``, ``"int8"``, ... or a
+            :class:`Compressor`; the pseudo-gradient travels compressed.
+        sync_buffers: average floating-point buffers at every sync (see module docstring).
+
+    Every rank calls :meth:`step` once per inner step, the same number of times
+    (``num_items=0`` for a worker without data), and :meth:`sync_now` at the end.
+    """
+
+    _what = "DiLoCo"
+
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
+                 outer_optimizer: Callable | None = None, sync_every: int = 500, group=None,
+                 compress=None, sync_buffers: bool = True, *, topology=None, _fragments=1):
+        if not dist.is_available() or not dist.is_initialized():
+            raise UsageError(f"{self._what} needs an initialised process group: call "
+                             "gradsync.init() (torchrun) or run inside gradsync.spawn()")
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"{self._what} takes an nn.Module, got {type(model).__name__}")
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise UsageError(f"{self._what}: inner_optimizer must be a torch.optim.Optimizer, "
+                             f"got {type(inner_optimizer).__name__}")
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise UsageError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        if not (outer_optimizer is None or callable(outer_optimizer)
+                or isinstance(outer_optimizer, torch.optim.Optimizer)):
+            raise UsageError("outer_optimizer must be a factory: lambda params: torch.optim.X("
+                             f"params, ...), or an optimizer over the model's parameters, got "
+                             f"{type(outer_optimizer).__name__}")
+        if topology is not None:
+            if not isinstance(topology, HostTopology):
+                raise UsageError(f"{self._what}: topology must be a HostTopology, got "
+                                 f"{type(topology).__name__}")
+            if group is not None or compress is not None:
+                raise UsageError(f"{self._what}: topology spans the world and sends exactly: "
+                                 "no group or compress with it")
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.sync_every = sync_every
+        self.group = group
+        self.topology = topology
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.compressor = resolve_compressor(compress)
+        self.sync_buffers = bool(sync_buffers)
+
+        verify_same_structure(model, group, what=self._what)
+        broadcast_module_state(model, group)
+        self.fragments = [Fragment(i, named)
+                          for i, named in enumerate(split_parameters(model, _fragments))]
+        self.outer_optimizer = build_outer_optimizer(outer_optimizer, self.fragments,
+                                                     default_outer_optimizer)
+        self._float_buffers = [b for b in model.buffers() if b.is_floating_point() and b.numel()]
+        self._other_buffers = [b for b in model.buffers()
+                               if not b.is_floating_point() and b.numel()]
+        self._steps = 0
+        self._syncs = 0
+        self._bytes = 0
+        self._exact_bytes = 0
+        self._last_sync_bytes = 0
+
+    # ------------------------------------------------------------------ the loop
+    def step(self, num_items=None) -> None:
+        """Call after every inner optimizer step; ``num_items``: items this worker used in it."""
+        n = as_items(num_items)
+        self._steps += 1
+        for f in self.fragments:
+            f.items += n
+        if self._steps % self.sync_every == 0:
+            self._sync_all()
+
+    def sync_now(self) -> None:
+        """Sync whatever moved since the last sync (the end of training); every rank calls it."""
+        if self._steps % self.sync_every:
+            self._sync_all()
+
+    def _sync_all(self) -> None:
+        buffer_items = self.fragments[0].items
+        for frag in self.fragments:
+            items, flat = frag.items, frag.pack()
+            frag.items, frag.last_sent = 0.0, self._steps
+            flat, total, sent, exact = self._reduce(frag.index, frag.shapes, flat, items,
+                                                    self.topology or self.group, self._steps)
+            frag.apply(flat, total, self.outer_optimizer, alpha=0.0)
+            extra = self._sync_buffers(buffer_items) if frag.index == 0 else 0
+            self._count(sent + extra, exact + extra)
+
+    # ------------------------------------------------------------------ communication
+    def _reduce(self, key: int, shapes, flat: torch.Tensor, items: float, group, step=None):
+        """Sum ``flat`` and the item counts over ranks (blocking).
+
+        Returns (flat, total items, bytes sent, bytes an exact all-reduce would send).
+        ``group`` may be a :class:`HostTopology`: the two-level all-reduce over the world
+        (what a rank sends is the same 2 (N-1)/N of the size as a flat ring's; half or
+        more of it stays inside the host).
+
+        Touches only its arguments and the compressor: streaming runs it on a thread.
+        """
+        topology = group if isinstance(group, HostTopology) else None
+        group = None if topology is not None else group
+        count = torch.tensor([items], dtype=torch.float64, device=flat.device)
+        pending = comm.all_reduce(count, group, async_op=True, tag="diloco-items")
+        world = dist.get_world_size(group)
+        if topology is not None:
+            hierarchical.all_reduce_(flat, topology, tag="diloco")
+            sent = ring_bytes(flat.numel() * flat.element_size(), world)
+        elif self.compressor is None:
+            comm.all_reduce(flat, group, tag="diloco", meta={"fragment": key, "step": step})
+            sent = ring_bytes(flat.numel() * flat.element_size(), world)
+        else:
+            before = self.compressor.stats().sent_bytes
+            self.compressor.all_reduce_(key, flat, shapes, group)
+            sent = self.compressor.stats().sent_bytes - before
+        pending.wait()
+        header = ring_bytes(count.numel() * count.element_size(), world)
+        exact = ring_bytes(flat.numel() * flat.element_size(), world)
+        return flat, float(count[0]), sent + header, exact + header
+
+    def _sync_buffers(self, items: float) -> int:
+        """Item-weighted average of float buffers, rank 0's integer buffers; bytes sent."""
+        if not self.sync_buffers or not (self._float_buffers or self._other_buffers):
+            return 0
+        world = dist.get_world_size(self.group)
+        sent = 0
+        if self._float_buffers:
+            dtype = torch.float64
+            device = self._float_buffers[0].device
+            flat = torch.cat([b.detach().reshape(-1).to(dtype) * items for b in self._float_buffers]
+                             + [torch.tensor([items], dtype=dtype, device=device)])
+            comm.all_reduce(flat, self.group, tag="diloco-buffers")
+            sent += ring_bytes(flat.numel() * flat.element_size(), world)
+            total = float(flat[-1])
+            if total > 0:
+                offset = 0
+                with torch.no_grad():
+                    for b in self._float_buffers:
+                        k = b.numel()
+                        b.copy_(flat[offset:offset + k].view_as(b) / total)
+                        offset += k
+        if self._other_buffers:
+            broadcast_tensors(self._other_buffers, self.group, tag="diloco-buffers")
+            sent += sum(b.numel() * b.element_size() for b in self._other_buffers)
+        return sent
+
+    def _count(self, sent: int, exact: int) -> None:
+        self._bytes += sent
+        self._exact_bytes += exact
+        self._last_sync_bytes = sent
+        self._syncs += 1
+
+    # ------------------------------------------------------------------ reporting, checkpoints
+    def stats(self) -> DiLoCoStats:
+        return DiLoCoStats(self._steps, self._syncs, self._bytes, self._exact_bytes,
+                           self._last_sync_bytes)
+
+    @property
+    def steps(self) -> int:
+        """Inner steps taken (``step()`` calls)."""
+        return self._steps
+
+    def state_dict(self) -> dict:
+        """Everything besides the model to continue bit for bit: global copy, outer and inner
+        optimizer state, step counter, item counts, compressor residuals, statistics.
+
+        Per rank (item counts and residuals differ): every rank saves its own, next
+        to the model's ``state_dict()``.
+        """
+        return {
+            "kind": self._what, "sync_every": self.sync_every, "steps": self._steps,
+            "anchors": [[a.detach().clone() for a in f.anchors] for f in self.fragments],
+            "items": [f.items for f in self.fragments],
+            "last_sent": [f.last_sent for f in self.fragments],
+            "outer": self.outer_optimizer.state_dict(),
+            "inner": self.inner_optimizer.state_dict(),
+            "compressor": None if self.compressor is None else self.compressor.state_dict(),
+            "stats": [self._syncs, self._bytes, self._exact_bytes, self._last_sync_bytes],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("kind") != self._what:
+            got = state.get("kind") if isinstance(state, dict) else type(state).__name__
+            raise UsageError(f"{self._what}.load_state_dict: not a {self._what} state ({got!r})")
+        if state["sync_every"] != self.sync_every:
+            raise UsageError(f"{self._what}.load_state_dict: saved with sync_every="
+                             f"{state['sync_every']}, this one has {self.sync_every}")
+        saved = [[tuple(a.shape) for a in f] for f in state["anchors"]]
+        mine = [[tuple(a.shape) for a in f.anchors] for f in self.fragments]
+        if saved != mine:
+            raise UsageError(f"{self._what}.load_state_dict: the saved global copy has shapes "
+                             f"{saved}, this model {mine}")
+        if (state["compressor"] is None) != (self.compressor is None):
+            raise UsageError(f"{self._what}.load_state_dict: saved "
+                             f"{'with' if state['compressor'] else 'without'} compression, "
+                             f"this one is {'with' if self.compressor else 'without'}")
+        with torch.no_grad():
+            for f, anchors in zip(self.fragments, state["anchors"]):
+                for a, v in zip(f.anchors, anchors):
+                    a.copy_(v)
+        for f, items, last in zip(self.fragments, state["items"], state["last_sent"]):
+            f.items, f.last_sent = float(items), int(last)
+        self.outer_optimizer.load_state_dict(state["outer"])
+        self.inner_optimizer.load_state_dict(state["inner"])
+        if self.compressor is not None:
+            self.compressor.load_state_dict(state["compressor"])
+        self._steps = int(state["steps"])
+        self._syncs, self._bytes, self._exact_bytes, self._last_sync_bytes = state["stats"]

@@ -1,0 +1,46 @@
+"""clip_grad_norm_ over sharded gradients: the global norm, then the same scale everywhere.
+
+With ZeRO each rank holds a slice of the gradient (arXiv 1910.02054), so a local
+``torch.nn.utils.clip_grad_norm_`` would clip by the norm of a slice. The squared
+norms of the shards are summed with one all-reduce; padding is zero and adds
+nothing. The scale is torch's (``max_norm / (norm + 1e-6)``, clamped to 1), so a
+sharded run clips exactly as one process on the whole batch does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import UsageError
+from ..transport import comm
+
+
+def clip_grad_norm_(target, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradient of ``target`` to global norm ``max_norm``; return the norm.
+
+    ``target``: a ZeroOptimizer, a FullyShardedDataParallel, a DataParallel or any
+    module/iterable of parameters (then torch's own function is used).
+    """
+    if float(norm_type) != 2.0:
+        raise ValueError("gradsync.clip_grad_norm_ supports norm_type=2 only")
+    shards_fn = getattr(target, "grad_shards", None)
+    if shards_fn is None:  # a DataParallel whose reduction shards (ZeRO): its shards
+        shards_fn = getattr(getattr(target, "_reduction", None), "grad_shards", None)
+    if shards_fn is None:
+        if isinstance(target, torch.optim.Optimizer):
+            raise UsageError(f"clip_grad_norm_ takes a model, a ZeroOptimizer or parameters, "
+                             f"not a {type(target).__name__}: pass the model")
+        params = target.parameters() if hasattr(target, "parameters") else target
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grads = [g for g in shards_fn() if g is not None]
+    if not grads:
+        raise RuntimeError("clip_grad_norm_: no synchronised gradient yet (run a synced backward)")
+    acc = torch.zeros(1, dtype=torch.float64, device=grads[0].device)
+    for g in grads:
+        acc += g.double().pow(2).sum()
+    comm.all_reduce(acc, target.group, tag="clip_norm")
+    total = acc.sqrt()
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total.to(grads[0].dtype).squeeze(0)

@@ -1,0 +1,99 @@
+"""SyncOptions: how a run synchronises, beside which strategy shards what.
+
+``gradsync train --sync exact|diloco|streaming-diloco --sync-every H --fragments F
+--compress none|bf16|fp16|powersgd:R|int8 --collectives native|hierarchical|ring|tree|server``
+maps one-to-one onto these fields. ``exact`` (the default) is gradsync's exact
+synchronous data parallelism; everything else spends exactness on purpose for
+slow links: compression (arXiv 1905.13336 for PowerSGD), local updates (DiLoCo,
+arXiv 2311.08105; Streaming DiLoCo, arXiv 2501.18512).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import UsageError
+
+SYNC_METHODS = ("exact", "diloco", "streaming-diloco")
+COLLECTIVES = ("native", "hierarchical", "ring", "tree", "server")
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """How gradients (or parameter deltas) travel.
+
+    method: ``exact`` | ``diloco`` | ``streaming-diloco``.
+    every: H, inner steps between syncs (local-update methods).
+    fragments: F, fragments of streaming DiLoCo (synced at staggered steps).
+    delay: tau, inner steps a streaming fragment's result takes to be applied.
+    alpha: weight of the local parameters when a streaming fragment is merged.
+    outer_lr, outer_momentum: the outer SGD (Nesterov when momentum > 0; DiLoCo's
+        0.7 and 0.9; lr 1 and no momentum is Local SGD).
+    compress: ``none`` | ``bf16`` | ``fp16`` | ``powersgd:R`` | ``int8`` (exact: the
+        gradient buckets; local updates: the pseudo-gradient, bf16/fp16/int8 only).
+    collectives: ``native`` (the backend's), or ``hierarchical`` (two-level: hosts
+        joined by a slow link; stage 3 becomes hybrid sharding; local updates get a
+        worker per host, exact inside it), ``ring``, ``tree``, ``server`` (reference
+        algorithms).
+    probe_every: with compression, every this many steps also sum the exact gradient
+        once and record how far the compressed one is (cosine, relative error).
+    """
+
+    method: str = "exact"
+    every: int = 25
+    fragments: int = 2
+    delay: int = 1
+    alpha: float = 0.5
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    compress: str = "none"
+    collectives: str = "native"
+    probe_every: int = 25
+
+    def __post_init__(self) -> None:
+        if self.method not in SYNC_METHODS:
+            raise UsageError(f"--sync must be one of {', '.join(SYNC_METHODS)}, "
+                             f"got {self.method!r}")
+        if self.collectives not in COLLECTIVES:
+            raise UsageError(f"--collectives must be one of {', '.join(COLLECTIVES)}, "
+                             f"got {self.collectives!r}")
+        for name in ("every", "fragments"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise UsageError(f"--{'sync-every' if name == 'every' else name} must be an "
+                                 f"integer >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.delay, int) or self.delay < 0:
+            raise UsageError(f"--sync-delay must be an integer >= 0, got {self.delay!r}")
+        if self.probe_every < 0:
+            raise UsageError(f"--probe-every must be >= 0, got {self.probe_every!r}")
+        if not 0 <= self.alpha < 1:
+            raise UsageError(f"--sync-alpha must be in [0, 1), got {self.alpha!r}")
+        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise UsageError(f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got "
+                             f"{self.outer_lr!r} and {self.outer_momentum!r}")
+        local = self.method != "exact"
+        if local and self.compress.split(":")[0] == "powersgd":
+            raise UsageError("--compress powersgd compresses gradient buckets; local-update "
+                             "methods send pseudo-gradients as bf16, fp16 or int8")
+        if local and self.collectives not in ("native", "hierarchical"):
+            raise UsageError(f"--collectives {self.collectives} needs --sync exact (local "
+                             "updates take native, or hierarchical: a worker per host)")
+        if self.compress != "none" and self.collectives != "native":
+            raise UsageError("--compress and --collectives other than native do not combine: "
+                             "a compressor does its own communication")
+
+    def check_precision(self, precision: str) -> None:
+        """Local updates and compressors handle gradients in fp32 only (checked by the
+        strategy builders, and by ``gradsync train`` before any worker starts)."""
+        if precision == "fp32":
+            return
+        if self.method != "exact":
+            raise UsageError(f"--sync {self.method} trains in fp32 (the global copy and the "
+                             "pseudo-gradients are kept in full precision); drop --precision")
+        if self.compress != "none":
+            raise UsageError(f"--compress {self.compress} and --precision {precision} do not "
+                             f"combine: the compressor takes over the gradient reduction that "
+                             f"--precision {precision} keeps in fp32; use one or the other")
+
+    @property
+    def exact(self) -> bool:
+        return self.method == "exact" and self.compress == "none"
