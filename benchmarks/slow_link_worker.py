@@ -31,7 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.engine.compress.base import ring_bytes
 from gradsync.engine.replicated.memory_report import MemoryReport, optimizer_bytes
-from gradsync.engine.strategy.base import STRATEGIES, Strategy, register_strategy
+from gradsync.engine.strategy.base import Strategy
+from gradsync.engine.strategy.registry import STRATEGIES, register_strategy
 from gradsync.models import DeepMLP
 
 

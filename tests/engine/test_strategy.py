@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import gradsync as gs
-from gradsync.engine.strategy.base import build_strategy, default_wrap, memory_report
+from gradsync.engine.strategy.exact import default_wrap, memory_report
+from gradsync.engine.strategy.registry import build_strategy
 from tests.engine.test_fsdp import Block, Net
 from tests.helpers import dataset, even_schedule, max_gap, mse, reference_train, sharded_train
 

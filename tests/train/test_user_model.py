@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import gradsync as gs
-from gradsync.engine.strategy.base import STRATEGIES, DataParallelStrategy, register_strategy
+from gradsync.engine.strategy.exact import DataParallelStrategy
+from gradsync.engine.strategy.registry import STRATEGIES, register_strategy
 from tests.train.factories import tensors, tiny64
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,7 +4,9 @@ The same parser serves ``gradsync train`` (which launches the workers) and
 ``torchrun -m gradsync.train`` (where torchrun already did), so the two can never
 disagree about what a flag means. Choice lists come from the registries
 (models, datasets, strategies, optimizers), so ``--help``, the parser and the
-error for an unknown name always list the same things.
+error for an unknown name always list the same things. The strategy registry is
+read when a parser is built and when a config is checked, never copied at import,
+so a strategy registered after this module was imported is accepted.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 
 from ..dist import BACKENDS
-from ..engine.strategy.base import FIXED_BUCKETS, PRECISIONS, STRATEGIES
 from ..engine.strategy.options import COLLECTIVES, SYNC_METHODS, SyncOptions
+from ..engine.strategy.registry import FIXED_BUCKETS, PRECISIONS, STRATEGIES
 from ..errors import UsageError
 from ..factory import is_factory_spec
 from ..models import MODELS
@@ -62,7 +64,7 @@ class TrainConfig:
     backend: str = field(default="auto", metadata={"help": "process-group backend: auto (nccl with CUDA, else gloo), gloo or nccl", "choices": BACKENDS})
     model: str = field(default="gpt", metadata={"help": "built-in model (gpt: small causal LM; mlp: 8x1024 GELU MLP) or your own, pkg.module:factory (a function returning a torch.nn.Module)", "type": _model_arg})
     data: str = field(default="", metadata={"help": "built-in data (pysrc, random-tokens for gpt; teacher for mlp) or your own, pkg.module:factory (returning a Dataset of (input, target) or a gradsync.TrainData); default follows --model", "type": _data_arg})
-    strategy: str = field(default="ddp", metadata={"help": "ddp: replicate everything; zero1: shard optimizer state; zero2: also gradients; zero3: also parameters (FSDP)", "choices": tuple(STRATEGIES)})
+    strategy: str = field(default="ddp", metadata={"help": "ddp: replicate everything; zero1: shard optimizer state; zero2: also gradients; zero3: also parameters (FSDP)", "choices": lambda: tuple(STRATEGIES)})
     precision: str = field(default="fp32", metadata={"help": "fp32 (the model's own dtype), or bf16: compute in bf16 with fp32 master weights, optimizer state and gradient reduction", "choices": PRECISIONS})
     sync: str = field(default="exact", metadata={"help": "exact: every step's gradient is the exact mean over the global batch; diloco: --sync-every local steps, then an outer Nesterov step on the item-weighted average of where the workers went (arXiv 2311.08105); streaming-diloco: the same in --fragments staggered fragments, overlapped with the next --sync-delay steps (arXiv 2501.18512)", "choices": SYNC_METHODS})
     sync_every: int = field(default=25, metadata={"help": "H: local steps between syncs (diloco, streaming-diloco)"})
@@ -216,6 +218,8 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
         flag = "--" + f.name.replace("_", "-")
         meta = dict(f.metadata)
         help_text = meta.pop("help")
+        if callable(meta.get("choices")):  # a registry, read now: later registrations count
+            meta["choices"] = meta["choices"]()
         if f.type in (bool, "bool"):
             parser.add_argument(flag, action="store_true", help=help_text)
             continue

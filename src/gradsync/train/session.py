@@ -19,7 +19,8 @@ import torch
 
 from .. import dist as gdist
 from ..data.sampler import StepSampler
-from ..engine.strategy.base import Strategy, build_strategy
+from ..engine.strategy.base import Strategy
+from ..engine.strategy.registry import build_strategy
 from ..errors import UsageError
 from ..rundir import (
     CHECKPOINT,

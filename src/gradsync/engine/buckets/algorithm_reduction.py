@@ -26,15 +26,12 @@ import torch
 
 from ...errors import UsageError
 from ..transport.algorithms import ALGORITHMS, HostTopology, hierarchical
+from ..transport.algorithms.topology import host_topology
 from ..transport.comm_thread import CommThread, private_group
 from .reduction import AllReduceBuckets
 
 BUCKET_ALGORITHMS = ("ring", "tree", "server", "hierarchical")
 
-
-def host_topology(topology: HostTopology | None) -> HostTopology:
-    """``topology``, or the hosts torchrun laid out (every rank calls this at once)."""
-    return topology if topology is not None else HostTopology.from_env()
 
 
 class AlgorithmBuckets(AllReduceBuckets):

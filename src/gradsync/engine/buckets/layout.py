@@ -22,9 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ...errors import UsageError
-from ..replicated.ddp_compat import without_ddp_prefix
 from ..sync.item_window import HEADER_SLOTS
-from ..sync.replicas import ignored_names
+from ..sync.replicas import ignored_names, without_ddp_prefix
 from ..transport import comm
 from .autotune import AutotuneResult, BucketAutotuner
 from .buffer import Bucket

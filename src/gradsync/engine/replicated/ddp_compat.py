@@ -26,12 +26,13 @@ gradsync's compressors, and the ``require_backward_grad_sync`` flag.
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 
 import torch
-from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from ...errors import UsageError
+from ..compress import CompressedBuckets, HalfPrecisionCompressor, PowerSGDCompressor
 
 DDP_KEYWORDS = ("process_group", "device_ids", "output_device", "dim",
                 "gradient_as_bucket_view", "static_graph", "init_sync")
@@ -55,23 +56,6 @@ def accept_module_keys(state_dict, prefix, *_args) -> None:
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
-
-def without_ddp_prefix(state_dict, own_keys):
-    """A checkpoint torch DDP saved (``ddp.state_dict()``: every key ``module.``-prefixed),
-    renamed to the module's own keys, so ``wrapper.load_state_dict(torch.load(...))``
-    works for a user switching from DDP with checkpoints in hand. Only when *every* key
-    carries the prefix and none of the module's own keys do (a module with a child
-    named ``module`` is left alone); a copy is renamed, the caller's dict is not."""
-    prefix = "module."
-    if (not state_dict or any(k.startswith(prefix) for k in own_keys)
-            or not all(k.startswith(prefix) for k in state_dict)):
-        return state_dict
-    renamed = OrderedDict(state_dict)
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:  # per-module versions (BatchNorm's): renamed with the keys
-        renamed._metadata = OrderedDict(metadata)
-    consume_prefix_in_state_dict_if_present(renamed, prefix)
-    return renamed
 
 
 def resolve_ddp_keywords(module: torch.nn.Module, group, kwargs: dict):
@@ -117,11 +101,6 @@ def comm_hook_reduction(state, hook):
     exact for the state's ``start_powerSGD_iter`` first synchronised steps. Any other
     hook is a one-line error: gradsync's buckets are not torch ``GradBucket`` objects.
     """
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
-    from ..compress import CompressedBuckets, HalfPrecisionCompressor, PowerSGDCompressor
-
     if hook is default_hooks.allreduce_hook:
         return None
     if hook is default_hooks.fp16_compress_hook:

@@ -18,7 +18,26 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sharded.shards import STAGE_NAMES, model_state_bytes
+STAGE_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+
+
+def model_state_bytes(num_params: int, world: int, stage: int, k: int = 12) -> float:
+    """ZeRO's model-state bytes per rank (arXiv 1910.02054, sections 3.1 and 5: 2-byte
+    params and grads, k bytes of optimizer state per parameter; k = 12 for Adam with
+    fp32 master weights).
+
+    stage 0 (plain DP): (4 + k)P; 1: 4P + kP/N; 2: 2P + (2 + k)P/N; 3: (4 + k)P/N.
+    """
+    p, n = float(num_params), float(world)
+    if stage == 0:
+        return (4 + k) * p
+    if stage == 1:
+        return 4 * p + k * p / n
+    if stage == 2:
+        return 2 * p + (2 + k) * p / n
+    if stage == 3:
+        return (4 + k) * p / n
+    raise ValueError(f"stage must be 0..3, got {stage}")
 
 
 @dataclass(frozen=True)
@@ -85,54 +104,6 @@ def optimizer_bytes(optimizer, param: torch.Tensor, real: int) -> tuple[int, int
 def pieces_bytes(optimizer, view) -> int:
     """Optimizer state held for the pieces of one shard (``shard_view.ShardView``)."""
     return sum(optimizer_bytes(optimizer, t, t.numel())[0] for t in view.tensors)
-
-
-def report_zero(zopt) -> MemoryReport:
-    params = grads = master = opt_state = comm_b = pad = 0
-    num = 0
-    for s in zopt.shards:
-        lay = s.layout
-        num += lay.numel
-        item = s.flat.element_size()
-        params += held(s.flat) and lay.numel * item
-        pad += held(s.flat) and lay.padding * item
-        buf = s.bucket.buffer
-        if held(buf):
-            grads += lay.numel * buf.element_size()
-            pad += lay.padding * buf.element_size()
-        real = lay.real_numel(zopt.rank)
-        if zopt.stage == 2:
-            a, b = split_real(s.grad, real)
-            grads, pad = grads + a, pad + b
-        if s.master.untyped_storage().data_ptr() != s.flat.untyped_storage().data_ptr():
-            a, b = split_real(s.master, real)  # a separate (fp32) master copy
-            master, pad = master + a, pad + b
-        opt_state += pieces_bytes(zopt.optimizer, s.view)
-        if s.src is not None and s.src is not buf:
-            comm_b += held(s.src)
-    return MemoryReport(zopt.stage, zopt.world, num, params, grads, master, opt_state,
-                        comm_b, pad)
-
-
-def report_fsdp(model, optimizer=None) -> MemoryReport:
-    """Stage 3: gathered buffers count as parameters while they are held (transient)."""
-    params = grads = master = opt_state = pad = 0
-    num = 0
-    for u in model.units:
-        lay = u.layout
-        num += lay.numel
-        real = lay.real_numel(model.rank)
-        a, b = split_real(u.full, lay.numel)
-        params, pad = params + a, pad + b
-        a, b = split_real(u.shard, real)
-        master, pad = master + a, pad + b
-        a, b = split_real(u.grad, real)
-        grads, pad = grads + a, pad + b
-        a, b = split_real(u.acc, lay.numel)
-        grads, pad = grads + a, pad + b
-        if optimizer is not None:
-            opt_state += pieces_bytes(optimizer, u.view)
-    return MemoryReport(3, model.world, num, params, grads, master, opt_state, 0, pad)
 
 
 def report_data_parallel(dp, optimizer) -> MemoryReport:

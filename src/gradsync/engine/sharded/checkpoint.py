@@ -34,6 +34,9 @@ import torch
 from ...errors import UsageError
 from ..sync.replicas import comm_device
 from ..transport import comm
+from .fsdp.units import first_names
+from .fsdp.wrapper import FullyShardedDataParallel
+from .zero import ZeroOptimizer
 
 FORMAT = 2  # 2: per-parameter-piece optimizer state, flattened per element
 
@@ -44,10 +47,6 @@ class CheckpointError(UsageError):
 
 def _buffers(target, optimizer):
     """(names, shapes, layout, master, optimizer) of every flat sharded buffer."""
-    from .fsdp.units import first_names
-    from .fsdp.wrapper import FullyShardedDataParallel
-    from .zero import ZeroOptimizer
-
     if isinstance(target, ZeroOptimizer):
         names = target.model.trainable_names
         return "zero", target.stage, [

@@ -11,9 +11,8 @@ Gradients travel bucket by bucket (the DataParallel bucket plan), so each bucket
 its own flat buffer, sharded on its own. A rank's optimizer shard is the
 concatenation of its slice of every bucket.
 
-Also here: ZeRO's model-state formulas (arXiv 1910.02054, sections 3.1 and 5;
-2 + 2 + k bytes per parameter with Adam in mixed precision, k = 12): 16P,
-4P + 12P/N, 2P + 14P/N, 16P/N. No torch import.
+ZeRO's model-state formulas live beside the measured report they are compared
+with (``replicated/memory_report.py``). No torch import.
 """
 
 from __future__ import annotations
@@ -97,26 +96,3 @@ class FlatShard:
 def plan_flat_shards(bucket_numels: Sequence[Sequence[int]], world: int) -> list[FlatShard]:
     """One :class:`FlatShard` per bucket (each bucket lists its parameters' numels)."""
     return [FlatShard(tuple(int(n) for n in b), world) for b in bucket_numels]
-
-
-# --------------------------------------------------------------------------- formulas
-STAGE_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
-
-
-def model_state_bytes(num_params: int, world: int, stage: int, k: int = 12) -> float:
-    """ZeRO's model-state bytes per rank (arXiv 1910.02054, sections 3.1 and 5: 2-byte
-    params and grads, k bytes of optimizer state per parameter; k = 12 for Adam with
-    fp32 master weights).
-
-    stage 0 (plain DP): (4 + k)P; 1: 4P + kP/N; 2: 2P + (2 + k)P/N; 3: (4 + k)P/N.
-    """
-    p, n = float(num_params), float(world)
-    if stage == 0:
-        return (4 + k) * p
-    if stage == 1:
-        return 4 * p + k * p / n
-    if stage == 2:
-        return 2 * p + (2 + k) * p / n
-    if stage == 3:
-        return (4 + k) * p / n
-    raise ValueError(f"stage must be 0..3, got {stage}")

@@ -50,6 +50,7 @@ from ..sync.param_groups import assign_pieces, check_param_groups
 from ..sync.replicas import verify_same_setup
 from ..transport.shard_comm import ShardComm
 from .clip import clip_grad_norm_
+from .shard_memory import report_zero
 from .shard_view import ShardView
 from .shards import FlatShard
 
@@ -433,7 +434,6 @@ class ZeroOptimizer(torch.optim.Optimizer, BucketReduction):
         return self._shards
 
     def memory_report(self):
-        from ..replicated.memory_report import report_zero
         return report_zero(self)
 
     def __repr__(self) -> str:

@@ -1,7 +1,8 @@
-"""Building the strategies of ``local_strategy.py`` from :class:`SyncOptions`.
+"""The builders behind ``--strategy`` names: a module in, a :class:`Strategy` out.
 
-Kept apart from ``strategy.py`` so the exact strategies' module does not grow with
-every way of spending exactness.
+``_ddp`` covers every ``--sync``/``--compress`` mode (exact, compressed buckets,
+DiLoCo's local updates); ``zero1``-``zero3`` synchronise exactly only and say so
+naming the flag. The registry (``registry.py``) maps names to these.
 """
 
 from __future__ import annotations
@@ -12,8 +13,14 @@ from ...errors import UsageError
 from ..compress import CompressedBuckets, parse_compression
 from ..local.diloco import DiLoCo
 from ..local.streaming import StreamingDiLoCo
+from ..replicated.data_parallel import DataParallel
+from ..replicated.mixed_optimizer import MixedPrecisionOptimizer
+from ..replicated.precision import parse_precision
+from ..sharded.fsdp.wrapper import FullyShardedDataParallel
+from ..sharded.zero import ZeroOptimizer
 from ..transport.algorithms.topology import HostTopology
-from .inexact import HostModel, LocalModel, LocalUpdateStrategy
+from .exact import DataParallelStrategy, FullyShardedStrategy, ZeroStrategy, default_wrap
+from .inexact import CompressedStrategy, HostModel, LocalModel, LocalUpdateStrategy
 from .options import SyncOptions
 
 
@@ -58,3 +65,65 @@ def build_local(module, precision, optimizer_class, group, sync: SyncOptions,
                                  delay=sync.delay, alpha=sync.alpha, group=group,
                                  compress=compress, topology=topology)
     return LocalUpdateStrategy(sync.method, precision, model, inner, diloco)
+
+
+def build_ddp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=None,
+         find_unused_parameters=False, **opt_kwargs):
+    sync = sync or SyncOptions()
+    sync.check_precision(precision)
+    if sync.method != "exact":
+        bucket_cap = 25.0 if bucket_cap_mb == "auto" else bucket_cap_mb
+        return build_local(module, precision, optimizer_class, group, sync, bucket_cap,
+                           **opt_kwargs)
+    mp = parse_precision(precision)
+    reduction = None
+    if sync.compress != "none":
+        reduction = compressed_reduction(sync, mp)
+    model = DataParallel(module, group=group, bucket_cap_mb=bucket_cap_mb,
+                         collectives=sync.collectives, reduction=reduction,
+                         find_unused_parameters=find_unused_parameters)
+    if mp is not None:
+        opt = MixedPrecisionOptimizer(model, optimizer_class, mp, **opt_kwargs)
+    else:
+        opt = optimizer_class(model.parameters(), **opt_kwargs)
+    if reduction is not None:
+        return CompressedStrategy("ddp", precision, model, opt, reduction)
+    return DataParallelStrategy("ddp", precision, model, opt)
+
+
+def _exact_only(name: str, sync) -> SyncOptions:
+    sync = sync or SyncOptions()
+    inexact = [f"--sync {sync.method}"] * (sync.method != "exact") + \
+        [f"--compress {sync.compress}"] * (sync.compress != "none")
+    if inexact:
+        needs = "need" if len(inexact) > 1 else "needs"
+        raise UsageError(f"--strategy {name} synchronises exactly: {' and '.join(inexact)} "
+                         f"{needs} --strategy ddp")
+    return sync
+
+
+def build_zero(stage: int):
+    def build(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=None,
+              find_unused_parameters=False, **opt_kwargs):
+        sync = _exact_only(f"zero{stage}", sync)
+        model = DataParallel(module, group=group, bucket_cap_mb=bucket_cap_mb,
+                             collectives=sync.collectives,
+                             find_unused_parameters=find_unused_parameters)
+        opt = ZeroOptimizer(model, optimizer_class, stage=stage,
+                            mixed_precision=parse_precision(precision), **opt_kwargs)
+        return ZeroStrategy(f"zero{stage}", precision, model, opt)
+    return build
+
+
+def build_fsdp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=None,
+          find_unused_parameters=False, **opt_kwargs):
+    sync = _exact_only("zero3", sync)
+    if sync.collectives not in ("native", "hierarchical"):
+        raise UsageError(f"--strategy zero3 takes --collectives native or hierarchical "
+                         f"(hybrid sharding), not {sync.collectives}")
+    model = FullyShardedDataParallel(module, wrap=wrap or default_wrap(module),
+                                     mixed_precision=parse_precision(precision), group=group,
+                                     hybrid=sync.collectives == "hierarchical",
+                                     find_unused_parameters=find_unused_parameters)
+    return FullyShardedStrategy("zero3", precision, model,
+                                optimizer_class(model.parameters(), **opt_kwargs))

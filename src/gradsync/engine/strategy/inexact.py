@@ -29,9 +29,11 @@ from torch import nn
 
 from ...errors import UsageError
 from ..compress.base import ring_bytes
+from ..replicated.data_parallel import DataParallel
 from ..replicated.memory_report import MemoryReport, held, optimizer_bytes
 from ..sync.item_window import as_count
-from .base import DataParallelStrategy, Strategy
+from .base import Strategy
+from .exact import DataParallelStrategy
 
 
 def _gather_objects(obj) -> list:
@@ -161,8 +163,6 @@ class HostModel(LocalModel):
 
     def __init__(self, module: nn.Module, group, bucket_cap_mb: float = 25.0):
         super().__init__(module)
-        from ..replicated.data_parallel import DataParallel
-
         # not a registered child: parameters and state_dict stay the module's own
         object.__setattr__(self, "replica", DataParallel(module, group=group,
                                                          bucket_cap_mb=bucket_cap_mb))

@@ -5,16 +5,21 @@ buffer names, shapes and dtypes (a 32-byte digest per rank in one small
 collective; the full listing is gathered only when digests differ, to name the
 first mismatch), then broadcast rank 0's values. A mismatch raises the same
 message on every rank, so no rank is left waiting in a collective.
+
+Also here, because every wrapper's ``load_state_dict`` needs it: a checkpoint torch
+DDP saved (every key ``module.``-prefixed) renamed to the module's own keys.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parameter import is_lazy
 
 from ...errors import ReplicaMismatchError, UsageError
@@ -183,3 +188,20 @@ def broadcast_module_state(module: nn.Module, group=None, src_rank: int = 0) -> 
     tensors = ([p.data for n, p in module.named_parameters() if n not in ignore]
                + [b for n, b in module.named_buffers() if n not in ignore])
     broadcast_tensors(tensors, group, src_rank, tag="init-broadcast")
+
+def without_ddp_prefix(state_dict, own_keys):
+    """A checkpoint torch DDP saved (``ddp.state_dict()``: every key ``module.``-prefixed),
+    renamed to the module's own keys, so ``wrapper.load_state_dict(torch.load(...))``
+    works for a user switching from DDP with checkpoints in hand. Only when *every* key
+    carries the prefix and none of the module's own keys do (a module with a child
+    named ``module`` is left alone); a copy is renamed, the caller's dict is not."""
+    prefix = "module."
+    if (not state_dict or any(k.startswith(prefix) for k in own_keys)
+            or not all(k.startswith(prefix) for k in state_dict)):
+        return state_dict
+    renamed = OrderedDict(state_dict)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:  # per-module versions (BatchNorm's): renamed with the keys
+        renamed._metadata = OrderedDict(metadata)
+    consume_prefix_in_state_dict_if_present(renamed, prefix)
+    return renamed

@@ -38,6 +38,8 @@ import torch.distributed as dist
 
 from . import comm
 from .algorithms import hierarchical
+from .algorithms.topology import host_topology
+from .comm_thread import CommThread
 
 REDUCE_OPS = ("reduce_scatter", "all_reduce", "pairwise", "hierarchical")
 GATHER_OPS = ("all_gather", "all_reduce", "pairwise", "hierarchical")
@@ -81,9 +83,6 @@ class ShardComm:
             raise ValueError("collectives must be 'auto', " + ", ".join(map(repr, CHOICES))
                              + f", got {choice!r}")
         if choice == "hierarchical":
-            from ..buckets.algorithm_reduction import host_topology
-            from .comm_thread import CommThread
-
             if group is not None:
                 raise ValueError("collectives='hierarchical' shards over the default group")
             return ShardComm(*CHOICES[choice], topology=host_topology(topology),

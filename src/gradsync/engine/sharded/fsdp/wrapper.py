@@ -43,8 +43,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ....errors import UsageError
-from ...buckets.algorithm_reduction import host_topology
-from ...replicated.ddp_compat import without_ddp_prefix
 from ...replicated.precision import (
     MixedPrecision,
     cast_buffers_,
@@ -58,11 +56,14 @@ from ...sync.replicas import (
     comm_device,
     verify_same_setup,
     verify_same_structure,
+    without_ddp_prefix,
 )
 from ...transport.algorithms import HostTopology
+from ...transport.algorithms.topology import host_topology
 from ...transport.comm_thread import private_group
 from ...transport.shard_comm import ShardComm
 from ..clip import clip_grad_norm_
+from ..shard_memory import report_fsdp
 from .gather import UnitGatherer
 from .reduce import UnitReducer
 from .state import full_state_dict, load_full_state_dict
@@ -330,6 +331,5 @@ class FullyShardedDataParallel(SyncedModule):
         return self._units
 
     def memory_report(self, optimizer=None):
-        from ...replicated.memory_report import report_fsdp
         return report_fsdp(self, optimizer)
 

@@ -22,11 +22,13 @@ Only the default (world) group is supported as the parent.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ....dist import default_timeout_s
 from ....errors import UsageError
 from .. import comm
 
@@ -58,8 +60,6 @@ class HostTopology:
         self.host, self.local_rank = divmod(self.rank, g)
         self.host_ranks = tuple(tuple(range(h * g, (h + 1) * g)) for h in range(self.num_hosts))
         if timeout_s is None:
-            from ....dist import default_timeout_s
-
             timeout_s = default_timeout_s()
         timeout = timedelta(seconds=timeout_s)
         self._groups = []
@@ -83,8 +83,6 @@ class HostTopology:
         host runs the same number of ranks, contiguously; every rank sees the same
         table, so a bad layout is the same one-line error on every rank, not a hang.
         """
-        import os
-
         try:
             mine = [int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])]
         except (KeyError, ValueError):
@@ -114,3 +112,7 @@ class HostTopology:
     def __repr__(self) -> str:
         return (f"HostTopology(hosts={self.num_hosts}, ranks_per_host={self.ranks_per_host}, "
                 f"rank={self.rank}, host={self.host}, local_rank={self.local_rank})")
+
+def host_topology(topology: HostTopology | None) -> HostTopology:
+    """``topology``, or the hosts torchrun laid out (every rank calls this at once)."""
+    return topology if topology is not None else HostTopology.from_env()
