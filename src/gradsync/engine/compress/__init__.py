@@ -1,4 +1,4 @@
-"""Gradient compression for slow links: bf16, fp16, PowerSGD, blockwise int8.
+"""Layer 3, compress: gradient compression for slow links (bf16, fp16, PowerSGD, int8).
 
 Every compressor offers one call, ``all_reduce_(key, flat, shapes, group)``
 (see ``base.py`` for the contract), and reports what it sent (``stats()``).
@@ -7,7 +7,7 @@ Every compressor offers one call, ``all_reduce_(key, flat, shapes, group)``
 (``gs.DataParallel(module, reduction=CompressedBuckets(compressor))``).
 None of them is exact; ``none`` (no compressor) stays the default and the only
 mode ``gradsync verify`` calls exact. Measured ratios, errors and how to choose:
-docs/slow_links.md.
+docs/slow_links.md. Imports ``buckets`` and ``transport``.
 """
 
 from __future__ import annotations

@@ -1,1 +1,8 @@
-"""TODO layer docstring."""
+"""Layer 5, local: local-update methods that sync parameters, not gradients.
+
+``diloco`` is DiLoCo and Local SGD (arXiv 2311.08105): H local steps, then an
+outer step on the item-weighted average of where the workers went; ``streaming``
+is Streaming DiLoCo (arXiv 2501.18512), fragments synced at staggered steps;
+``fragments`` the unit of a sync. Not exact by design. Imports ``compress``,
+``sync`` and ``transport``, never ``replicated`` or ``sharded``.
+"""

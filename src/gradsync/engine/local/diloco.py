@@ -39,9 +39,7 @@ updates spend exactness on purpose, and ``gradsync verify`` never calls them exa
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,12 +47,10 @@ from torch import nn
 
 from ...errors import UsageError
 from ..compress import Compressor, parse_compression
-from ..compress.base import ring_bytes
 from ..sync.item_window import as_count
-from ..sync.replicas import broadcast_module_state, broadcast_tensors, verify_same_structure
-from ..transport import comm
-from ..transport.algorithms import hierarchical
+from ..sync.replicas import broadcast_module_state, verify_same_structure
 from ..transport.algorithms.topology import HostTopology
+from .exchange import DiLoCoStats, average_buffers, sum_with_items
 from .fragments import Fragment, build_outer_optimizer, split_parameters
 
 
@@ -71,30 +67,6 @@ def local_sgd_outer_optimizer(params) -> torch.optim.Optimizer:
 def as_items(num_items) -> float:
     """Items of one inner step: ``None`` counts one (every worker takes the same steps)."""
     return 1.0 if num_items is None else as_count(num_items)
-
-
-@dataclass(frozen=True)
-class DiLoCoStats:
-    """Communication of this rank so far.
-
-    bytes_sent: what this rank put on the wire for pseudo-gradients, item counts and
-        buffers (exact all-reduces counted as 2 (N-1)/N of their size).
-    exact_bytes: the same for uncompressed pseudo-gradients.
-    """
-
-    steps: int
-    syncs: int
-    bytes_sent: int
-    exact_bytes: int
-    last_sync_bytes: int
-
-    @property
-    def bytes_per_sync(self) -> float:
-        return self.bytes_sent / self.syncs if self.syncs else 0.0
-
-    @property
-    def ratio(self) -> float:
-        return self.exact_bytes / self.bytes_sent if self.bytes_sent else math.nan
 
 
 def resolve_compressor(compress) -> Compressor | None:
@@ -211,60 +183,15 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ communication
     def _reduce(self, key: int, shapes, flat: torch.Tensor, items: float, group, step=None):
-        """Sum ``flat`` and the item counts over ranks (blocking).
-
-        Returns (flat, total items, bytes sent, bytes an exact all-reduce would send).
-        ``group`` may be a :class:`HostTopology`: the two-level all-reduce over the world
-        (what a rank sends is the same 2 (N-1)/N of the size as a flat ring's; half or
-        more of it stays inside the host).
-
-        Touches only its arguments and the compressor: streaming runs it on a thread.
-        """
-        topology = group if isinstance(group, HostTopology) else None
-        group = None if topology is not None else group
-        count = torch.tensor([items], dtype=torch.float64, device=flat.device)
-        pending = comm.all_reduce(count, group, async_op=True, tag="diloco-items")
-        world = dist.get_world_size(group)
-        if topology is not None:
-            hierarchical.all_reduce_(flat, topology, tag="diloco")
-            sent = ring_bytes(flat.numel() * flat.element_size(), world)
-        elif self.compressor is None:
-            comm.all_reduce(flat, group, tag="diloco", meta={"fragment": key, "step": step})
-            sent = ring_bytes(flat.numel() * flat.element_size(), world)
-        else:
-            before = self.compressor.stats().sent_bytes
-            self.compressor.all_reduce_(key, flat, shapes, group)
-            sent = self.compressor.stats().sent_bytes - before
-        pending.wait()
-        header = ring_bytes(count.numel() * count.element_size(), world)
-        exact = ring_bytes(flat.numel() * flat.element_size(), world)
-        return flat, float(count[0]), sent + header, exact + header
+        """``exchange.sum_with_items`` with this DiLoCo's compressor (streaming calls it on a
+        thread: it touches only its arguments and the compressor)."""
+        return sum_with_items(self.compressor, key, shapes, flat, items, group, step)
 
     def _sync_buffers(self, items: float) -> int:
         """Item-weighted average of float buffers, rank 0's integer buffers; bytes sent."""
-        if not self.sync_buffers or not (self._float_buffers or self._other_buffers):
+        if not self.sync_buffers:
             return 0
-        world = dist.get_world_size(self.group)
-        sent = 0
-        if self._float_buffers:
-            dtype = torch.float64
-            device = self._float_buffers[0].device
-            flat = torch.cat([b.detach().reshape(-1).to(dtype) * items for b in self._float_buffers]
-                             + [torch.tensor([items], dtype=dtype, device=device)])
-            comm.all_reduce(flat, self.group, tag="diloco-buffers")
-            sent += ring_bytes(flat.numel() * flat.element_size(), world)
-            total = float(flat[-1])
-            if total > 0:
-                offset = 0
-                with torch.no_grad():
-                    for b in self._float_buffers:
-                        k = b.numel()
-                        b.copy_(flat[offset:offset + k].view_as(b) / total)
-                        offset += k
-        if self._other_buffers:
-            broadcast_tensors(self._other_buffers, self.group, tag="diloco-buffers")
-            sent += sum(b.numel() * b.element_size() for b in self._other_buffers)
-        return sent
+        return average_buffers(self._float_buffers, self._other_buffers, items, self.group)
 
     def _count(self, sent: int, exact: int) -> None:
         self._bytes += sent

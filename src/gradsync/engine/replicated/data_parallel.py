@@ -3,15 +3,16 @@
 How a synchronised backward runs (DDP paper, arXiv 2006.15704, section 3.2):
 gradients accumulate into flat bucket buffers (``param.grad`` is a view); a
 post-accumulate-grad hook marks each parameter ready, and a bucket whose last
-gradient landed is launched asynchronously (a ``reduction.BucketReduction``
+gradient landed is launched asynchronously (a ``buckets.reduction.BucketReduction``
 decides how it travels: all-reduce by default), strictly in index order on every
 rank, so communication overlaps the rest of backward and collectives stay
 matched whatever order gradients arrive in. At the end of backward everything
 left is launched, waited for and divided by the global item count (the header
 rides in the first bucket when buckets are summed exactly). Passes, windows,
 ``num_items``, ``no_sync``, buffers and the DDP-compatibility rules are the
-synchronised-backward core's (``sync_core.py``); the bucket layout, its rebuild
-and autotuning are ``bucket_layout.py``'s.
+synchronised-backward core's (``sync/core.py``); the bucket layout, its rebuild
+and autotuning are ``buckets/layout.py``'s; what happens as each gradient arrives
+is ``gradient_arrivals.py``'s.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ from ..sync.replicas import (
 )
 from ..transport import tracing
 from .ddp_compat import DDPMethods, accept_module_keys, resolve_ddp_keywords
+from .gradient_arrivals import GradientArrivals
 
 
-class DataParallel(DDPMethods, BucketAccess, SyncedModule):
+class DataParallel(GradientArrivals, DDPMethods, BucketAccess, SyncedModule):
     """Wrap ``module`` for data-parallel training over ``group`` (default: the world).
 
     Args:
@@ -50,7 +52,7 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
         group: process group; ``None`` means the default (world) group.
         bucket_cap_mb: cap of a gradient bucket in MiB (DDP's default, 25), or
             ``"auto"``: measure candidate caps during the first synchronised steps
-            and keep the fastest (see ``engine/autotune.py``; ``autotune_result``).
+            and keep the fastest (see ``buckets/autotune.py``; ``autotune_result``).
         first_bucket_mb: cap of the first bucket, small so communication starts early.
         find_unused_parameters: ``False``: a parameter with no gradient in a
             synchronised backward is an error naming it. ``True``: a used mask is
@@ -63,7 +65,7 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
         collectives: ``"native"`` (the backend's all-reduce), or a reference algorithm
             on a communication thread: ``"hierarchical"`` (two-level, for hosts joined
             by a slow link; ``topology`` or torchrun's layout), ``"ring"``, ``"tree"``,
-            ``"server"`` (``algorithm_buckets.py``).
+            ``"server"`` (``buckets/algorithm_reduction.py``).
         topology: a :class:`~gradsync.engine.transport.algorithms.HostTopology` for
             ``"hierarchical"`` (e.g. ``HostTopology(ranks_per_host=2)``).
         reduction: how buckets travel, overriding ``collectives`` (e.g. compression).
@@ -183,71 +185,6 @@ class DataParallel(DDPMethods, BucketAccess, SyncedModule):
 
     def _take_back(self) -> None:
         self._reduction.take_back()
-
-    def _make_hook(self, i: int):
-        where = self._layout.where
-
-        def hook(param):
-            if not self._joined:
-                self._join()
-            bucket, slot = where(i)
-            grad = param.grad
-            if grad is not None and grad.layout != torch.strided:
-                # a sparse gradient (nn.Embedding(sparse=True)) is summed dense: the same
-                # values as torch DDP's sparse all-reduce; ``.grad`` comes back dense
-                grad = param.grad = grad.to_dense()
-            if grad is None or self._empty or self._held is not None:
-                self._receive_unusual(i, param, bucket, slot)
-            else:  # the hot path: a gradient autograd wrote (into the view, or fresh)
-                bucket.zeroed = False
-                if grad is not bucket.views[slot]:
-                    self._reduction.ensure(bucket)
-                    bucket.adopt(slot)
-                self._used[i] = True
-            if not self._syncing or not self._arrivals.arrive(i):
-                return
-            bucket.pending -= 1
-            if bucket.pending == 0:
-                self._layout.launch_ready(self._reduction, self._window, self._used)
-        return hook
-
-    def _receive_unusual(self, i, param, bucket, slot) -> None:
-        """An undefined gradient, a rank without data (replayed zeros, or its graph's
-        arrivals: added only if finite), all joining with zeros where nothing counts."""
-        if self._held is not None:
-            fresh, param.grad = param.grad, self._held.pop(i, None)
-            if fresh is not None and bool(torch.isfinite(fresh).all()):
-                if param.grad is None:
-                    param.grad = fresh
-                else:
-                    param.grad.add_(fresh)
-        elif self._empty and not bucket.is_view(slot):
-            param.grad = None
-        if param.grad is None or self._empty:
-            if not bucket.is_view(slot):
-                self._reduction.ensure(bucket)
-                bucket.views[slot].zero_()
-                param.grad = bucket.views[slot]
-        else:
-            bucket.zeroed = False
-            if not bucket.is_view(slot):
-                self._reduction.ensure(bucket)
-                bucket.adopt(slot)
-            self._used[i] = True
-
-    def _hold_gradients(self) -> None:
-        self._held = {i: p.grad for i, p in enumerate(self._params) if p.grad is not None}
-        for i in self._held:
-            self._params[i].grad = None
-
-    def _pass_over(self) -> None:
-        for i, g in (self._held or {}).items():  # not reached by the empty rank's backward
-            self._params[i].grad = g
-        self._held = None
-
-    def _replay_backward(self) -> None:
-        """Every hook fires with zeros (marked not used): the same buckets, the same order."""
-        torch.autograd.backward(self._params, [torch.zeros_like(p) for p in self._params])
 
     def _sync_open(self) -> None:
         self._reduction.prepare()

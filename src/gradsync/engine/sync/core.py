@@ -8,7 +8,7 @@ forward-time sync decision, output hooks, the item window, buffer broadcasts and
 the end-of-backward callback. A strategy subclasses :class:`SyncedModule` and
 supplies the mechanics (``_run_forward``, ``_sync_open``, ``_sync_collect``,
 ``_sync_complete``, ``_set_aside``/``_take_back``, ``_replay_*``: the hooks listed
-in ``sync_protocol.py``).
+in ``protocol.py``).
 
 The rules a user switching from torch DDP (arXiv 2006.15704) may rely on; the
 only intended difference is the divisor (the global item count with
@@ -49,12 +49,13 @@ from torch import nn
 from ...errors import UnusedParametersError, UsageError
 from ..transport import comm, tracing
 from .item_window import HEADER_SLOTS, ItemWindow, as_count
-from .join import Join, JoinShadow
+from .join import Join
 from .protocol import SyncProtocol, tensors_in
 from .replicas import broadcast_tensors, comm_device
+from .shadow import Shadow
 
 
-class SyncedModule(JoinShadow, SyncProtocol, nn.Module):
+class SyncedModule(Shadow, SyncProtocol, nn.Module):
     """The shared core of DataParallel and FullyShardedDataParallel (see module docstring)."""
 
     def __init__(self, module: nn.Module, group, find_unused_parameters: bool,
@@ -170,47 +171,6 @@ class SyncedModule(JoinShadow, SyncProtocol, nn.Module):
                 self._empty_pass(loss, backward_kwargs)
             else:
                 (loss * n).backward(**backward_kwargs)
-
-    def _empty_pass(self, loss, backward_kwargs) -> None:
-        """Rule 5: this rank has no data.
-
-        With a graph from a forward (the loss of an empty batch, NaN as a mean over
-        nothing is) the backward runs through it with a zero output gradient: then
-        collectives inside the graph (SyncBatchNorm's backward, stage 3's gathers)
-        happen here as on every other rank, and what arrives is this rank's true
-        share when its rows are coupled to others' (batch statistics over the
-        global batch give rows without items a gradient). A non-finite arrival
-        (0/0 of a mean over nothing) counts as zero and never touches what the
-        window already holds. Without a graph, the forward's collectives (a buffer
-        broadcast, stage 3's gathers) are replayed if no forward ran, then the
-        backward's, with zeros.
-        """
-        if (loss is not None and self._forward_ran and isinstance(loss, torch.Tensor)
-                and loss.requires_grad):
-            self._guard_nonfinite = True
-            self._hold_gradients()
-            try:
-                torch.autograd.backward(loss, torch.zeros_like(loss), **backward_kwargs)
-            finally:
-                self._guard_nonfinite = False
-            return
-        if not self._forward_ran:
-            self._sync_buffers()
-            self._forward_sync = self._require_sync
-            self._buffers_due = self._require_sync
-            self._replay_forward()
-        self._replay_pass()
-
-    def _replay_pass(self) -> None:
-        """This rank's share of a backward's collectives, with zeros and nothing used."""
-        self._start_pass(queue=False)
-        self._empty = True
-        try:
-            self._join()
-            self._replay_backward()
-        finally:
-            self._empty = False
-        self._end_pass()
 
     @contextlib.contextmanager
     def no_sync(self):

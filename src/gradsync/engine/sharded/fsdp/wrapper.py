@@ -50,7 +50,7 @@ from ...replicated.precision import (
     cast_inputs_hook,
 )
 from ...sync.core import SyncedModule
-from ...sync.protocol import Collected, tensors_in
+from ...sync.protocol import Collected
 from ...sync.replicas import (
     broadcast_module_state,
     comm_device,
@@ -67,10 +67,11 @@ from ..shard_memory import report_fsdp
 from .gather import UnitGatherer
 from .reduce import UnitReducer
 from .state import full_state_dict, load_full_state_dict
+from .unit_hooks import UnitHooks
 from .units import build_units, first_names
 
 
-class FullyShardedDataParallel(SyncedModule):
+class FullyShardedDataParallel(UnitHooks, SyncedModule):
     """Shard parameters, gradients and optimizer state of ``module`` over ``group``.
 
     Args:
@@ -146,46 +147,6 @@ class FullyShardedDataParallel(SyncedModule):
         # kept gathered into backward (FSDP2 keeps the root; DeepSpeed's reuse distance,
         # what is needed again at once): the root and the last unit, whose backward is first
         self._keep_for_backward = set(map(id, root + rest[-1:]))
-
-    # ------------------------------------------------------------------ unit hooks
-    def _make_pre(self, u):
-        def pre(_module, _args):
-            self._gatherer.gather(u, torch.is_grad_enabled())
-            self._gatherer.prefetch_after(u, False, self.module)
-        return pre
-
-    def _make_post(self, u):
-        return lambda _module, _args, out: self._after_forward(u, out)
-
-    def _after_forward(self, u, out):
-        if torch.is_grad_enabled():
-            u.bw_gathered = False
-            for t in tensors_in(out):
-                if t.requires_grad:
-                    t.register_hook(lambda g, u=u: self._pre_backward(u))
-            if id(u) in self._keep_for_backward:
-                u.kept = True
-                return
-        self._gatherer.free(u)
-
-    def _pre_backward(self, u):
-        self._start_pass(through_output=True)
-        if not u.bw_gathered:
-            u.bw_gathered = True
-            self._gatherer.gather(u, True)
-            self._gatherer.prefetch_after(u, True, self.module)
-
-    def _make_grad_hook(self, u):
-        def hook(full):
-            self._join()
-            g, full.grad = full.grad, None
-            if self._guard_nonfinite and not bool(torch.isfinite(g).all()):
-                g = torch.zeros_like(g)  # an empty rank's 0/0: contributes zero, not used
-            else:
-                u.used = [a or b for a, b in zip(u.used, u.joined)]
-            self._gatherer.free(u)
-            self._reducer.accept(u, g, self._syncing)
-        return hook
 
     # ------------------------------------------------------------------ core hooks
     def _run_forward(self, args, kwargs):
@@ -285,20 +246,6 @@ class FullyShardedDataParallel(SyncedModule):
         for u in self._units:
             u.part = u.reduced = u.ready = None
             u.used = [False] * len(u.used)
-
-    def _replay_forward(self) -> None:
-        """The same gathers as this rank's last forward, keeping the same units."""
-        self._gatherer.replay_forward(self._keep_for_backward)
-
-    def _replay_backward(self) -> None:
-        """The same gathers and reductions as a backward, with zero gradients."""
-        def accept(u):
-            u.joined = [True] * len(u.joined)
-            self._reducer.accept(u, torch.zeros_like(u.full.data, dtype=u.full.dtype),
-                                 self._syncing)
-        order = self._reducer.order  # reverse registration order, the root last
-        self._gatherer.replay_backward(order, accept, order[-1:] + order[:-1]
-                                       if self._root is not None else order)  # root first
 
     # ------------------------------------------------------------------ state
     def grad_shards(self):

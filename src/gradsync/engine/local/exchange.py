@@ -1,0 +1,111 @@
+"""What a local-update sync sends: the summed pseudo-gradient, its items, the buffers.
+
+DiLoCo's exchange (arXiv 2311.08105, Algorithm 1) averages
+pseudo-gradients over workers; here they are summed together with the items each
+worker processed since the last sync, so the outer step can weight each worker by
+its data (``diloco.py``). The sum travels by the backend's all-reduce, a
+compressor, or the two-level all-reduce when a worker is a host. Buffers
+(BatchNorm statistics) are averaged with the same item weights.
+
+Every figure of :class:`DiLoCoStats` is this rank's bytes on the wire, an exact
+all-reduce counted as 2 (N-1)/N of its size (``compress.base.ring_bytes``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..compress import Compressor
+from ..compress.base import ring_bytes
+from ..sync.replicas import broadcast_tensors
+from ..transport import comm
+from ..transport.algorithms import hierarchical
+from ..transport.algorithms.topology import HostTopology
+
+
+@dataclass(frozen=True)
+class DiLoCoStats:
+    """Communication of this rank so far.
+
+    bytes_sent: what this rank put on the wire for pseudo-gradients, item counts and
+        buffers (exact all-reduces counted as 2 (N-1)/N of their size).
+    exact_bytes: the same for uncompressed pseudo-gradients.
+    """
+
+    steps: int
+    syncs: int
+    bytes_sent: int
+    exact_bytes: int
+    last_sync_bytes: int
+
+    @property
+    def bytes_per_sync(self) -> float:
+        return self.bytes_sent / self.syncs if self.syncs else 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.exact_bytes / self.bytes_sent if self.bytes_sent else math.nan
+
+
+def sum_with_items(compressor: Compressor | None, key: int, shapes, flat: torch.Tensor,
+                   items: float, group, step=None):
+    """Sum ``flat`` and the item counts over ranks (blocking).
+
+    Returns (flat, total items, bytes sent, bytes an exact all-reduce would send).
+    ``group`` may be a :class:`HostTopology`: the two-level all-reduce over the world
+    (what a rank sends is the same 2 (N-1)/N of the size as a flat ring's; half or
+    more of it stays inside the host).
+
+    Touches only its arguments: streaming DiLoCo runs it on a thread.
+    """
+    topology = group if isinstance(group, HostTopology) else None
+    group = None if topology is not None else group
+    count = torch.tensor([items], dtype=torch.float64, device=flat.device)
+    pending = comm.all_reduce(count, group, async_op=True, tag="diloco-items")
+    world = dist.get_world_size(group)
+    if topology is not None:
+        hierarchical.all_reduce_(flat, topology, tag="diloco")
+        sent = ring_bytes(flat.numel() * flat.element_size(), world)
+    elif compressor is None:
+        comm.all_reduce(flat, group, tag="diloco", meta={"fragment": key, "step": step})
+        sent = ring_bytes(flat.numel() * flat.element_size(), world)
+    else:
+        before = compressor.stats().sent_bytes
+        compressor.all_reduce_(key, flat, shapes, group)
+        sent = compressor.stats().sent_bytes - before
+    pending.wait()
+    header = ring_bytes(count.numel() * count.element_size(), world)
+    exact = ring_bytes(flat.numel() * flat.element_size(), world)
+    return flat, float(count[0]), sent + header, exact + header
+
+
+def average_buffers(float_buffers: list[torch.Tensor], other_buffers: list[torch.Tensor],
+                    items: float, group) -> int:
+    """Item-weighted average of float buffers, rank 0's integer buffers; bytes sent."""
+    if not (float_buffers or other_buffers):
+        return 0
+    world = dist.get_world_size(group)
+    sent = 0
+    if float_buffers:
+        dtype = torch.float64
+        device = float_buffers[0].device
+        flat = torch.cat([b.detach().reshape(-1).to(dtype) * items for b in float_buffers]
+                         + [torch.tensor([items], dtype=dtype, device=device)])
+        comm.all_reduce(flat, group, tag="diloco-buffers")
+        sent += ring_bytes(flat.numel() * flat.element_size(), world)
+        total = float(flat[-1])
+        if total > 0:
+            offset = 0
+            with torch.no_grad():
+                for b in float_buffers:
+                    k = b.numel()
+                    b.copy_(flat[offset:offset + k].view_as(b) / total)
+                    offset += k
+    if other_buffers:
+        broadcast_tensors(other_buffers, group, tag="diloco-buffers")
+        sent += sum(b.numel() * b.element_size() for b in other_buffers)
+    return sent
