@@ -1,6 +1,6 @@
 """Which bucket each gradient lives in, and the two ways that layout changes during a run.
 
-DataParallel's buckets are planned by the pure ``bucketing.plan_buckets`` (shared
+DataParallel's buckets are planned by the pure ``plan.plan_buckets`` (shared
 with the planner's simulator) and then change at most in two ways:
 
 * **Rebuild once** after the first synchronised backward, in the order gradients

@@ -7,12 +7,12 @@ what a finished sync leaves in the gradients. Implementations:
 * :class:`AllReduceBuckets` (the default): sum each bucket over the ranks in place
   and divide -- DDP's all-reduce (arXiv 2006.15704, section 3.2); with
   ``reduce_dtype`` the sum runs in a wider dtype (bf16 compute, fp32 sums).
-* ``ZeroOptimizer`` (``zero.py``): reduce each bucket to this rank's shard
+* ``ZeroOptimizer`` (``sharded/zero.py``): reduce each bucket to this rank's shard
   (ZeRO stages 1-2, arXiv 1910.02054).
 * Subclasses of :class:`AllReduceBuckets` that override :meth:`communicate`:
   compressed or hierarchical sums.
 
-The synchronised-backward core (``sync_core.py``) calls, per accumulation window:
+The synchronised-backward core (``sync/core.py``) calls, per accumulation window:
 ``set_aside`` at its first pass (rule 2: gradients held from before must not be
 summed again), ``take_back`` if that pass joined no parameter, then for a
 synchronised pass ``launch`` per bucket and ``complete(divisor, used)`` once every

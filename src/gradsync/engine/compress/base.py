@@ -17,7 +17,7 @@ integer the caller chooses, the bucket index. Contract of ``all_reduce_``:
   collectives on meanwhile: PowerSGD all-reduces P and Q, and two threads issuing
   collectives on one group can order them differently on different ranks. (The
   bf16/fp16/int8 messages are point-to-point with their own tags, above
-  ``engine/shard_comm.py``'s, so they do not interleave with anything.)
+  ``transport/shard_comm.py``'s, so they do not interleave with anything.)
   ``StreamingDiLoCo`` makes such a group with ``dist.new_group``.
 * A group of one rank sends nothing and leaves ``flat`` exact.
 
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ...errors import UsageError
 
-_P2P_TAG_BASE = 1 << 24  # above engine/shard_comm.py's tag space [0, 2**24)
+_P2P_TAG_BASE = 1 << 24  # above transport/shard_comm.py's tag space [0, 2**24)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ An all-reduce that casts to 16 bits and calls the backend's all-reduce would
 add in 16 bits on the way (a ring sums N-1 times), and an int8 all-reduce cannot
 add at all without overflowing. So the reduction is built as a reduce-scatter
 followed by an all-gather of encoded bytes, posted as direct point-to-point
-messages as ``engine/shard_comm.py`` does on gloo (measured there about 2x
+messages as ``transport/shard_comm.py`` does on gloo (measured there about 2x
 faster than gloo's own collectives):
 
 1. every rank encodes its contribution (plus its error-feedback residual) and

@@ -2,7 +2,7 @@
 
 ``gs.DataParallel(module, reduction=CompressedBuckets(parse_compression("int8")))``.
 DataParallel keeps its hooks, launch order, item header and ``num_items``
-division (``engine/reduction.py``); only how a ready bucket travels changes:
+division (``buckets/reduction.py``); only how a ready bucket travels changes:
 
 * the first ``exact_windows`` synchronised windows (default 1) are all-reduced
   exactly: DataParallel rebuilds its buckets once, after its first synchronised

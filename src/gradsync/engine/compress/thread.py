@@ -2,7 +2,7 @@
 
 A compressor's ``all_reduce_`` blocks (it computes between its messages), so a
 caller that wants it to overlap with backward runs it on the engine's
-communication thread (``engine/comm_thread.py``), over a private group.
+communication thread (``transport/comm_thread.py``), over a private group.
 """
 
 from __future__ import annotations

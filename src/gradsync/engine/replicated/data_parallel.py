@@ -176,7 +176,7 @@ class DataParallel(GradientArrivals, DDPMethods, BucketAccess, SyncedModule):
         return [p.requires_grad for p in self._params]
 
     def _pass_may_start(self) -> None:
-        """Before a gradient is accumulated (``accumulators.py``)."""
+        """Before a gradient is accumulated (``sync/accumulators.py``)."""
         if not self._in_pass:
             self._start_pass()
 

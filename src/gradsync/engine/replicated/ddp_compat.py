@@ -13,7 +13,7 @@ TypeError at a time, nor have one silently mean something else:
   always views of their bucket (DDP's ``True``), so no copy precedes communication.
 * ``static_graph``: ``True`` lets a parameter receive its gradient several times in
   one backward (reentrant activation checkpointing of a module used twice), as in
-  DDP: the first synchronised backward counts the arrivals (``arrivals.py``). Nothing
+  DDP: the first synchronised backward counts the arrivals (``sync/arrivals.py``). Nothing
   else needs the hint (buckets are rebuilt once in the observed order; unused
   parameters follow ``find_unused_parameters``).
 * ``init_sync``: True only: rank 0's state is always broadcast at construction.

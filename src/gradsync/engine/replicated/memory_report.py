@@ -3,7 +3,7 @@
 Model state is what the ZeRO paper (arXiv 1910.02054, section 3.1) partitions:
 working parameters, gradients, fp32 master weights and optimizer moments. Padding
 (to make equal shards) and communication buffers are listed separately so a
-report can be compared with ZeRO's formulas (``sharding.model_state_bytes``, arXiv
+report can be compared with ZeRO's formulas (:func:`model_state_bytes` below, arXiv
 1910.02054 section 5):
 with bf16 parameters and AdamW, model state is 16P for DDP, 4P + 12P/N for stage 1,
 2P + 14P/N for stage 2 and 16P/N for stage 3.

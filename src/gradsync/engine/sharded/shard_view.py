@@ -15,7 +15,7 @@ state is converted to flat per-element tensors over the shard's real elements
 (:meth:`ShardView.flat_state`), and back (:meth:`ShardView.load_flat_state`):
 a scalar such as Adam's ``step`` is repeated per element, and ``_present``
 marks elements whose parameter had state, so the per-name re-assembly in
-``zero_checkpoint`` works unchanged.
+``checkpoint.py`` works unchanged.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class ZeroOptimizer(torch.optim.Optimizer, ZeroReduction):
             (reduce-scatter/all-gather), ``"all_reduce"``, ``"pairwise"``
             (point-to-point exchanges; what ``"auto"`` picks on gloo) or
             ``"hierarchical"`` (two-level, over the model's or torchrun's hosts).
-        param_groups: groups by parameter name (``param_groups.py``), e.g. no weight
+        param_groups: groups by parameter name (``sync/param_groups.py``), e.g. no weight
             decay on biases; default: one group of every parameter.
         **optimizer_kwargs: passed to ``optimizer_class``.
     """

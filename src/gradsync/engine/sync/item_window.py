@@ -8,7 +8,7 @@ global sums into the divisor. The same header detects a window that mixed
 ``backward(loss, num_items=n)`` with plain ``loss.backward()`` anywhere, which has
 no exact meaning, and raises on every rank alike (all ranks see the same sums).
 
-The synchronised-backward core (``sync_core.py``) owns the one instance per model,
+The synchronised-backward core (``core.py``) owns the one instance per model,
 for DataParallel, ZeroOptimizer (through DataParallel) and FullyShardedDataParallel.
 """
 

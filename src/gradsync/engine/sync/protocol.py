@@ -1,4 +1,4 @@
-"""What a strategy supplies to the synchronised-backward core (``sync_core.py``).
+"""What a strategy supplies to the synchronised-backward core (``core.py``).
 
 ``SyncedModule`` owns *when* gradients travel and what a user gets back; a
 strategy (DataParallel's buckets, FSDP's units) supplies *how*, through the hooks

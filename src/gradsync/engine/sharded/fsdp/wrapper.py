@@ -19,12 +19,12 @@ a gathered buffer that exists only while it is needed:
 
 Passes, windows, ``no_sync``, ``num_items``, buffers (broadcast from rank 0 exactly
 when torch DDP would, like DataParallel) and the DDP-compatibility rules are the
-synchronised-backward core's (``sync_core.py``). Under ``no_sync`` no gradient
+synchronised-backward core's (``sync/core.py``). Under ``no_sync`` no gradient
 collective runs (parameters must still be gathered, they are sharded) and
 unsharded gradients accumulate locally. Gathers and gradient reductions run on
 two process groups, so each has one deterministic order on every rank (gathers in
 forward then backward unit order, reductions strictly in reverse registration
-order, root last: ``fsdp_reduce.py``) whatever order autograd happens to fire hooks in.
+order, root last: ``reduce.py``) whatever order autograd happens to fire hooks in.
 
 A parameter shared by two units (tied weights) belongs to the root unit, which is
 gathered for the whole forward. Every rank must run the same units in each forward
@@ -153,7 +153,7 @@ class FullyShardedDataParallel(UnitHooks, SyncedModule):
         grad = torch.is_grad_enabled()
         if not self._in_pass:
             self._gatherer.release_all()
-            if grad:  # recorded, for a rank with no data to replay (fsdp_gather.py)
+            if grad:  # recorded, for a rank with no data to replay (gather.py)
                 self._gatherer.phase("forward")
         with contextlib.nullcontext() if grad else self._gatherer.paused():
             if self._root is not None:
@@ -253,12 +253,12 @@ class FullyShardedDataParallel(UnitHooks, SyncedModule):
         return [u.grad for u in self._units]
 
     def full_state_dict(self) -> dict:
-        """The consolidated state dict, original names (a collective: ``fsdp_state.py``)."""
+        """The consolidated state dict, original names (a collective: ``state.py``)."""
         return full_state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """A consolidated dict (original names) is sliced into this rank's shards with no
-        collective (``fsdp_state.py``), also one torch DDP saved (``module.`` keys); a
+        collective (``state.py``), also one torch DDP saved (``module.`` keys); a
         dict of this wrapper's own keys is nn.Module's."""
         state_dict = without_ddp_prefix(state_dict, self.original_keys)
         if not set(state_dict) & set(self.original_keys):
@@ -269,7 +269,7 @@ class FullyShardedDataParallel(UnitHooks, SyncedModule):
         self._gatherer.release_all()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """torch FSDP's method: clip by the norm over every rank's shards (``clip.py``;
+        """torch FSDP's method: clip by the norm over every rank's shards (``sharded/clip.py``;
         ``torch.nn.utils.clip_grad_norm_(model.parameters())`` would see one shard)."""
         return clip_grad_norm_(self, max_norm, norm_type)
 

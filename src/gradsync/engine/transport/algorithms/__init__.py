@@ -9,7 +9,7 @@ Every algorithm is blocking and in place, with one signature::
     hierarchical.reduce_scatter(output, input, topology, *, tag="hierarchical")
     hierarchical.all_gather(output, input, topology, *, tag="hierarchical")
 
-built from rounds of ``engine.comm.exchange`` (isend/irecv), each observed as
+built from rounds of ``transport.comm.exchange`` (isend/irecv), each observed as
 one collective through ``comm.composite``. Each sums in a fixed order, so every
 rank holds bitwise the same result. They are safe to call from a dedicated
 communication thread (one operation per group at a time, the same sequence on
