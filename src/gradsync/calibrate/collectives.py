@@ -1,9 +1,11 @@
 """Time the real backend's collectives on K processes and fit alpha and beta.
 
 Why measure rather than assume: on gloo/CPU the three collectives a data-parallel
-engine uses differ by more than their textbook volumes suggest (DESIGN.md: a
-34 MB reduce-scatter took 55 ms, all-gather 45 ms, all-reduce 35 ms), so the
-simulator's cost per bucket must come from this machine. Each size is timed
+engine uses differ by more than their textbook volumes suggest (on this
+project's 2-core machine, gloo over loopback: a 34 MB reduce-scatter took 55 ms,
+an all-gather 45 ms, an all-reduce 35 ms, where the textbook says the first two
+move half the all-reduce's bytes; docs/zero.md has a later, fuller table), so
+the simulator's cost per bucket must come from this machine. Each size is timed
 ``reps`` times after a barrier; a repetition's time is the slowest rank's (a
 collective is done when every rank is done) and the size's figure is the median
 over repetitions, which shrugs off the scheduling hiccups of a shared machine.

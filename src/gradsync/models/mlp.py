@@ -48,9 +48,10 @@ class TanhMLP(nn.Module):
 class DeepMLP(nn.Module):
     """``depth`` x (Linear(width, width) + GELU): the "8x(1024x1024)+GELU MLP".
 
-    The benchmark model of DESIGN.md: many equal, large parameters make the
-    all-reduce volume (about 34 MB at the defaults) comparable to compute on
-    CPU, which is where bucketing and overlap show up in step time.
+    The benchmarks' "mlp" (``benchmarks/ddp_vs_torch.py``, ``autotune.py``,
+    ``slow_link.py``): many equal, large parameters make the all-reduce volume
+    (about 34 MB at the defaults) comparable to compute on CPU, which is where
+    bucketing and overlap show up in step time.
     """
 
     def __init__(self, width: int = 1024, depth: int = 8) -> None:

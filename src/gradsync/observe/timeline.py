@@ -1,8 +1,8 @@
 """One step as lanes of spans: measured (from trace.json) and predicted (simulator).
 
-The point of putting them side by side (DESIGN: "planned before it runs, visible
-while it runs"): where the measurement departs from the prediction is where the
-model of the machine is wrong -- a slower link than calibrated, backward not
+The point of putting them side by side (a run is planned before it runs and
+visible while it runs): where the measurement departs from the prediction is
+where the model of the machine is wrong -- a slower link than calibrated, backward not
 overlapping, a rank waiting for another. The prediction is computed for the
 *same* run: the planner's ``simulate_step`` is fed a profile taken from the traced
 step itself (forward, backward and optimizer times; alpha from the header

@@ -6,7 +6,7 @@ sample otherwise. The built-in models and datasets, and the user's own through
 ``--model pkg.module:factory`` / ``--data pkg.module:factory``, all end up as one
 :class:`Task`.
 
-The factories' contracts (also in the README and ``examples/``):
+The factories' contracts (also in docs/train.md and ``examples/``):
 
 * model factory: ``factory() -> torch.nn.Module``, no arguments (the same
   contract as ``gradsync plan memory MODEL`` and ``gradsync calibrate``). It
