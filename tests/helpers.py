@@ -101,7 +101,16 @@ class _null:
 
 
 def max_gap(a, b) -> float:
+    """Largest element gap between two equally long, non-empty lists of tensors."""
+    a, b = list(a), list(b)
+    assert a and len(a) == len(b), f"{len(a)} tensors against {len(b)}"
     return max(float((p - q).abs().max()) for p, q in zip(a, b))
+
+
+def same_tensors(a, b) -> bool:
+    """Equally many tensors, each bitwise equal (a bare zip would stop at the shorter)."""
+    a, b = list(a), list(b)
+    return len(a) == len(b) and all(torch.equal(p, q) for p, q in zip(a, b))
 
 
 def optimizer_spec(kind: str):
@@ -161,14 +170,45 @@ def sharded_train(model, opt, schedule, x, y, rank: int, loss_fn=mse, clip=None,
         opt.zero_grad()
 
 
-def run_jobs(jobs):
-    """Run ``[(fn, args), ...]`` in order on this rank; one spawn serves several tests."""
-    return [fn(*args) for fn, args in jobs]
+def job_table(*entries) -> dict:
+    """``{name: (fn, args)}`` from ``(name, fn, args)`` triples, for :func:`run_jobs`.
+
+    A name given twice is an error: a dict built in a loop would silently keep the last.
+    """
+    table: dict = {}
+    for name, fn, args in entries:
+        if name in table:
+            raise ValueError(f"job {name!r} is in the table twice")
+        table[name] = (fn, tuple(args))
+    return table
 
 
-def job_results(results, index):
-    """Per-rank results of job ``index`` from ``gs.spawn(run_jobs, ...)``."""
-    return [r[index] for r in results]
+def run_jobs(jobs: dict) -> dict:
+    """Run ``{name: (fn, args)}`` in order on this rank: ``{name: result}``.
+
+    One spawn serves several tests, each of which picks its job by name with
+    :func:`job_results`, so adding or reordering jobs cannot hand it another job's result.
+    """
+    if not isinstance(jobs, dict):
+        raise TypeError(f"run_jobs takes {{name: (fn, args)}}, not {type(jobs).__name__}")
+    return {name: fn(*args) for name, (fn, args) in jobs.items()}
+
+
+def job_results(results, name: str) -> list:
+    """Per-rank results of job ``name`` from ``gs.spawn(run_jobs, world, jobs)``.
+
+    KeyError (naming the jobs that ran) for a name no job has; an error too when the
+    spawn returned nothing or the ranks ran different jobs.
+    """
+    if not results:
+        raise ValueError("no per-rank results: the spawn returned nothing")
+    names = list(results[0])
+    for rank, res in enumerate(results):
+        if list(res) != names:
+            raise ValueError(f"rank {rank} ran jobs {list(res)}, rank 0 ran {names}")
+    if name not in names:
+        raise KeyError(f"no job named {name!r}; the spawn ran {names}")
+    return [res[name] for res in results]
 
 
 class Tied(nn.Module):
@@ -188,6 +228,18 @@ class Tied(nn.Module):
         return self.out(torch.tanh(self.dec(torch.tanh(self.mid(self.enc(x))))))
 
 
+class Tiny(nn.Module):
+    """Two parameter elements: with 3 ranks, one rank holds only padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.tensor([0.3], dtype=torch.float64))
+        self.b = nn.Parameter(torch.tensor([-0.2], dtype=torch.float64))
+
+    def forward(self, x):
+        return (self.a * x[:, :D_OUT] + self.b).tanh()
+
+
 class ShardOptimizer:
     """An FSDP model's optimizer as ``sharded_train`` expects it: clipping goes through
     the model's gradient shards."""
@@ -205,16 +257,16 @@ class ShardOptimizer:
         self.opt.zero_grad()
 
 
-def errors_of(*makers) -> list:
-    """Call each maker; its GradsyncError's message, or None when it raised nothing (bad-input
-    tests collect these on every rank and compare them)."""
+def errors_of(**makers) -> dict:
+    """``{name: message}``: each maker's GradsyncError message, or None when it raised
+    nothing (bad-input tests collect these on every rank and compare them by name)."""
     import gradsync as gs
 
-    out = []
-    for make in makers:
+    out = {}
+    for name, make in makers.items():
         try:
             make()
-            out.append(None)
+            out[name] = None
         except gs.GradsyncError as e:
-            out.append(str(e))
+            out[name] = str(e)
     return out

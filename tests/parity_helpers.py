@@ -161,15 +161,6 @@ class Trainer:
                 for n, p in self.module.named_parameters()}
 
 
-def adamw():
-    """Weight decay and momentum move a parameter whose gradient is zero, not None."""
-    return torch.optim.AdamW, {"lr": 0.02, "weight_decay": 0.1}
-
-
-def sgd():
-    return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}
-
-
 @dataclass(frozen=True)
 class Job:
     """``fn(ctx, group, **kwargs)`` under strategy ``kind``, recorded as ``name``."""
@@ -210,6 +201,9 @@ def spawn_jobs(world: int, jobs: list[Job]) -> dict:
     """
     import gradsync as gs
 
+    keys = [(job.name, job.kind) for job in jobs]
+    if not keys or len(set(keys)) != len(keys):
+        raise ValueError(f"no jobs, or a (name, kind) twice: {sorted(keys)}")
     out: dict = {}
     with tempfile.TemporaryDirectory() as outdir:
         start = 0
@@ -276,7 +270,11 @@ def differences(expected, got, tol: float, path: str = "") -> list[str]:
 
 def failures(results: dict, name: str, kinds, against: str = "ddp", tol: float = 1e-12,
              max_lines: int = 4) -> list[str]:
-    """One line per strategy in ``kinds`` whose records differ from ``against``'s."""
+    """One line per strategy in ``kinds`` whose records differ from ``against``'s.
+
+    KeyError for a (name, kind) that no job recorded; ``kinds`` must name one at least.
+    """
+    assert kinds, "nothing to compare"
     ref = results[(name, against)]
     bad = [r for r, v in enumerate(ref) if isinstance(v, dict) and ERROR in v]
     if bad:
@@ -284,6 +282,9 @@ def failures(results: dict, name: str, kinds, against: str = "ddp", tol: float =
     lines = []
     for kind in kinds:
         got = results[(name, kind)]
+        if len(got) != len(ref):
+            lines.append(f"{kind}: {len(got)} ranks recorded, {against}: {len(ref)}")
+            continue
         for r, (e, g) in enumerate(zip(ref, got)):
             if isinstance(g, dict) and ERROR in g:
                 lines.append(f"{kind}: rank {r} raised {g[ERROR]}")

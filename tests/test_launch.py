@@ -14,13 +14,16 @@ import gradsync as gs
 def _whoami(tag):
     t = torch.ones(1) * (gs.rank() + 1)
     dist.all_reduce(t)
-    return tag, gs.rank(), gs.world_size(), float(t), os.getpid()
+    return {"tag": tag, "rank": gs.rank(), "world": gs.world_size(), "rank_sum": float(t),
+            "pid": os.getpid()}
 
 
 def test_spawn_returns_results_indexed_by_rank():
     results = gs.spawn(_whoami, 3, "x")
-    assert [r[1] for r in results] == [0, 1, 2]
-    assert all(r[0] == "x" and r[2] == 3 and r[3] == 6.0 for r in results)
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert all(r["tag"] == "x" and r["world"] == 3 and r["rank_sum"] == 6.0 for r in results)
+    pids = {r["pid"] for r in results}
+    assert len(pids) == 3 and os.getpid() not in pids  # three processes, none of them this one
 
 
 def _alive(pid: int) -> bool:
@@ -54,14 +57,11 @@ def _fail(kind, pid_dir):
     ("kill", "killed by signal SIGKILL"),
 ])
 def test_failed_worker_names_rank_and_error_without_hanging(kind, expect, tmp_path):
-    t0 = time.monotonic()
-    with pytest.raises(gs.WorkerFailedError) as info:
+    with pytest.raises(gs.WorkerFailedError) as info:  # a hang: the 20 s collective timeout
         gs.spawn(_fail, 3, kind, str(tmp_path), timeout_s=20)
-    elapsed = time.monotonic() - t0
     first_line = str(info.value).splitlines()[0]
     assert first_line.startswith("worker rank 1 failed"), str(info.value)
     assert expect in first_line
-    assert elapsed < 40, f"took {elapsed:.1f}s"
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
     assert len(pids) == 3
     deadline = time.monotonic() + 10

@@ -81,12 +81,10 @@ def test_sharded_strategies_resume_exactly(tmp_path, strategy):
     ("kill", "killed by signal SIGKILL", "ddp"),
     ("kill", "killed by signal SIGKILL", "zero3")])  # peers blocked in point-to-point
 def test_worker_dying_mid_step_is_named(tmp_path, kind, expect, strategy):
-    t0 = time.monotonic()
     r = run_cli("train", *FAST, "--strategy", strategy, "--out", str(tmp_path / "r"),
                 "--timeout", "30", env={"GRADSYNC_FAULT": f"0:2:{kind}"})
     assert r.returncode == 1
     assert "worker rank 0 failed" in r.stderr and expect in r.stderr
-    assert time.monotonic() - t0 < 60
 
 
 def _as_from_a_terminal():

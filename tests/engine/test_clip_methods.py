@@ -47,7 +47,7 @@ def _train(kind):
         opt.step()
         opt.zero_grad()
     state = model.full_state_dict() if kind == "fsdp" else module.state_dict()
-    return norms, {k: v.detach().clone() for k, v in state.items()}
+    return {"norms": norms, "state": {k: v.detach().clone() for k, v in state.items()}}
 
 
 KINDS = ("zero1", "zero2", "fsdp")
@@ -70,9 +70,11 @@ def _reference():
 @pytest.mark.parametrize("kind", KINDS)
 def test_clip_method_uses_the_global_norm(kind):
     if not _cache:
-        _cache["r"] = gs.spawn(run_jobs, 3, [(_train, (k,)) for k in KINDS], timeout_s=120)
+        _cache["r"] = gs.spawn(run_jobs, 3, {k: (_train, (k,)) for k in KINDS}, timeout_s=120)
     ref_norms, ref_state = _reference()
     assert min(ref_norms) > 10 * MAX_NORM  # every step clips
-    for norms, state in job_results(_cache["r"], KINDS.index(kind)):
+    for res in job_results(_cache["r"], kind):
+        norms, state = res["norms"], res["state"]
+        assert len(norms) == len(ref_norms) == STEPS and list(state) == list(ref_state)
         assert max(abs(a - b) for a, b in zip(norms, ref_norms)) <= 1e-12
         assert max(float((state[k] - v).abs().max()) for k, v in ref_state.items()) <= 1e-12

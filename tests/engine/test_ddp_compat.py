@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import gradsync as gs
 from gradsync.errors import UsageError
-from tests.helpers import dataset, mlp, mse
+from tests.helpers import dataset, mlp, mse, same_tensors
 
 DDP_STYLE = dict(device_ids=None, output_device=None, dim=0, gradient_as_bucket_view=False,
                  static_graph=True, init_sync=True)
@@ -37,33 +37,40 @@ def _job():
     if gs.rank() < 2:
         out["ours"] = _train(lambda m: gs.DataParallel(m, group=pg))
         out["ddp_style"] = _train(lambda m: gs.DataParallel(m, process_group=pg, **DDP_STYLE))
-    errors = []
+    errors = {}
     for kw in ({"device_ids": [0]}, {"output_device": "cuda:0"}, {"dim": 1},
                {"init_sync": False}, {"process_group": pg, "group": dist.group.WORLD},
                {"bucket_size": 5}):
+        case = "+".join(kw)
         try:
             gs.DataParallel(mlp(), **kw)
-            errors.append(None)
+            errors[case] = None
         except (UsageError, TypeError) as e:
-            errors.append(f"{type(e).__name__}: {e}")
+            errors[case] = f"{type(e).__name__}: {e}"
     out["errors"] = errors
     return out
 
 
 def test_ddp_keywords_train_the_same_or_say_why_not():
     results = gs.spawn(_job, 3, timeout_s=120)
+    assert [list(r) for r in results] == [["ours", "ddp_style", "errors"]] * 2 + [["errors"]]
     for r in (0, 1):
         a, b = results[r]["ours"], results[r]["ddp_style"]
-        assert all(torch.equal(p, q) for p, q in zip(a, b))
+        assert same_tensors(a, b), f"rank {r}"
     init = [p.detach() for p in mlp().parameters()]
+    assert len(init) == len(results[0]["ours"])
     assert any(not torch.equal(p, q) for p, q in zip(results[0]["ours"], init))  # it trained
-    expected = ["device_ids=[0] does not name the module's one device; leave it None",
-                "output_device='cuda:0' does not name",
-                "dim=1; only 0", "init_sync=False is not supported",
-                "pass group or process_group", "TypeError: DataParallel got unexpected "
-                "keyword argument(s) ['bucket_size']"]
+    expected = {"device_ids": "device_ids=[0] does not name the module's one device; "
+                              "leave it None",
+                "output_device": "output_device='cuda:0' does not name",
+                "dim": "dim=1; only 0", "init_sync": "init_sync=False is not supported",
+                "process_group+group": "pass group or process_group",
+                "bucket_size": "TypeError: DataParallel got unexpected keyword argument(s) "
+                               "['bucket_size']"}
     for res in results:
-        for msg, words in zip(res["errors"], expected):
+        assert list(res["errors"]) == list(expected)
+        for case, words in expected.items():
+            msg = res["errors"][case]
             assert msg is not None and words in msg and "\n" not in msg, (words, msg)
 
 
@@ -116,7 +123,7 @@ def test_torch_comm_hooks_map_to_gradsync_reductions():
     for name in ("fp16", "bf16", "powersgd"):  # the first window is exact
         assert torch.equal(res[name + "_grad"], res["allreduce_grad"])
     assert "not one of torch's built-in hooks" in res["custom"] and "\n" not in res["custom"]
-    assert res["flag"] == (False, 0) and res["flag_after"]
+    assert res["flag"] == (False, 0) and res["flag_after"] is True
 
 
 class _PerRank(torch.nn.Module):
@@ -167,6 +174,7 @@ def _ignore_job():
 def test_parameters_and_buffers_ddp_ignores_are_left_alone_as_in_ddp():
     results = gs.spawn(_ignore_job, 2, timeout_s=120)
     for res in results:
+        assert list(res["gs"]) == list(res["torch"]) and res["torch"]
         for name, value in res["torch"].items():
             torch.testing.assert_close(res["gs"][name], value, rtol=0, atol=1e-12, msg=name)
         assert "shards every parameter" in res["fsdp"]

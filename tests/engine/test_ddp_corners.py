@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync as gs
-from tests.helpers import job_results, run_jobs
+from tests.helpers import job_results, job_table, run_jobs
 
 TOL = 1e-12
 
@@ -191,7 +191,8 @@ def _wrapper_semantics():
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     cleared = all(p.grad is None for p in model.parameters())
-    return restored, twin_grads, grads, pickled, cleared
+    return {"restored": restored, "twin_grads": twin_grads, "grads": grads,
+            "pickled_type": pickled[0], "pickled_grads": pickled[1], "cleared": cleared}
 
 
 def _bn_net():
@@ -229,24 +230,22 @@ def _ddp_checkpoint_loads():
     wrapped.load_state_dict(holder.state_dict())
     with pytest.raises(RuntimeError, match="Missing key"):
         wrapped.load_state_dict({k[len("module."):]: v for k, v in holder.state_dict().items()})
-    return gaps, list(saved) == keys_before
+    return {"gaps": gaps, "callers_keys_kept": list(saved) == keys_before}
 
 
-def _jobs():
-    jobs = []
-    for fn in SCENARIOS:
-        jobs += [(fn, (_gs,)), (fn, (_ddp,))]
-    return jobs + [(_wrapper_semantics, ()), (_ddp_checkpoint_loads, ()),
-                   (_unused_with_zeroed_grads_zero, (1,)), (_unused_with_zeroed_grads_zero, (2,))]
-
-
+JOBS = job_table(
+    *[(f"{fn.__name__}/{side}", fn, (wrap,)) for fn in SCENARIOS
+      for side, wrap in (("gradsync", _gs), ("torch", _ddp))],
+    ("wrapper_semantics", _wrapper_semantics, ()),
+    ("ddp_checkpoint_loads", _ddp_checkpoint_loads, ()),
+    *[(f"zeroed_grads_zero/stage{k}", _unused_with_zeroed_grads_zero, (k,)) for k in (1, 2)])
 _cache: dict = {}
 
 
-def _results(index):
+def _results(name):
     if not _cache:
-        _cache["r"] = gs.spawn(run_jobs, 2, _jobs(), timeout_s=90)
-    return job_results(_cache["r"], index)
+        _cache["r"] = gs.spawn(run_jobs, 2, JOBS, timeout_s=90)
+    return job_results(_cache["r"], name)
 
 
 def _gap(a, b):
@@ -256,40 +255,44 @@ def _gap(a, b):
         assert a is None and b is None, "one gradient is None, the other not"
         return 0.0
     if isinstance(a, dict):
-        assert a.keys() == b.keys()
+        assert a.keys() == b.keys() and a, (list(a), list(b))
         return max(_gap(a[k], b[k]) for k in a)
+    assert len(a) == len(b), f"{len(a)} entries against {len(b)}"
     return max((_gap(x, y) for x, y in zip(a, b)), default=0.0)
 
 
-@pytest.mark.parametrize("k", range(len(SCENARIOS)), ids=[f.__name__ for f in SCENARIOS])
-def test_same_parameters_and_gradients_as_torch_ddp(k):
-    ours, theirs = _results(2 * k), _results(2 * k + 1)
+@pytest.mark.parametrize("scenario", [f.__name__ for f in SCENARIOS])
+def test_same_parameters_and_gradients_as_torch_ddp(scenario):
+    ours, theirs = _results(f"{scenario}/gradsync"), _results(f"{scenario}/torch")
     for rank in range(2):
         gap = _gap(ours[rank], theirs[rank])
         assert gap <= TOL, f"rank {rank}: {gap:.3e}"
 
 
 def test_wrapper_in_a_parent_deepcopy_pickle_and_zero_grad():
-    for restored, twin_grads, grads, pickled, cleared in _results(2 * len(SCENARIOS)):
-        assert restored
-        assert _gap(twin_grads, grads) == 0.0  # the copy's backward is synchronised
-        assert pickled[0] == "DataParallel"
-        assert _gap(pickled[1], grads) == 0.0  # the loaded wrapper synchronises too
-        assert cleared
-    ranks = _results(2 * len(SCENARIOS))
-    assert _gap(ranks[0][1], ranks[1][1]) == 0.0  # the same averaged gradient on both ranks
+    ranks = _results("wrapper_semantics")
+    for res in ranks:
+        assert res["restored"] is True
+        assert res["grads"] and len(res["grads"]) == 4  # Linear and BatchNorm weight, bias
+        assert _gap(res["twin_grads"], res["grads"]) == 0.0  # the copy's backward synchronises
+        assert res["pickled_type"] == "DataParallel"
+        assert _gap(res["pickled_grads"], res["grads"]) == 0.0  # so does the loaded wrapper
+        assert res["cleared"] is True
+    # the same averaged gradient on both ranks
+    assert _gap(ranks[0]["twin_grads"], ranks[1]["twin_grads"]) == 0.0
 
 
 def test_a_torch_ddp_checkpoint_loads_and_training_continues_as_ddp():
-    for gaps, untouched in _results(2 * len(SCENARIOS) + 1):
-        assert gaps["dp"] <= TOL and gaps["fsdp"] <= TOL, gaps
-        assert untouched  # the caller's dict keeps its keys
+    for res in _results("ddp_checkpoint_loads"):
+        gaps = res["gaps"]
+        assert list(gaps) == ["dp", "fsdp"] and gaps["dp"] <= TOL and gaps["fsdp"] <= TOL, gaps
+        assert res["callers_keys_kept"] is True  # the caller's dict keeps its keys
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_grad_keeping_zeros_under_zero_steps_unused_parameters_as_ddp(stage):
-    theirs = _results(2 * SCENARIOS.index(_unused_with_zeroed_grads) + 1)
-    ours = _results(2 * len(SCENARIOS) + 1 + stage)
+    theirs = _results("_unused_with_zeroed_grads/torch")
+    ours = _results(f"zeroed_grads_zero/stage{stage}")
     for rank in range(2):
         params = {n: (v[0], None) for n, v in theirs[rank].items()}
         assert _gap(ours[rank], params) <= 1e-12, rank

@@ -23,22 +23,23 @@ import torch
 import gradsync as gs
 from gradsync.engine.transport import comm
 from gradsync.engine.transport.algorithms import HostTopology
-from tests.engine.test_diloco import (
+from tests.engine.diloco_helpers import (
     DP,
     LR,
     NESTEROV,
     STEPS,
     STREAM,
     TOL,
-    _flat_schedule,
-    _outer,
-    _reference_local,
-    _reference_sync_sgd,
+    flat_schedule,
+    identical,
+    outer_optimizer,
+    reference_local,
+    reference_sync_sgd,
 )
 from tests.helpers import dataset, errors_of, job_results, max_gap, mlp, mse, run_jobs
 
 WORLD, PER_HOST = 4, 2
-SCHED = _flat_schedule(STEPS, WORLD)
+SCHED = flat_schedule(STEPS, WORLD)
 HOST_SCHED = [[step[2 * h] + step[2 * h + 1] for h in range(WORLD // PER_HOST)]
               for step in SCHED]
 """What each host saw: its two ranks' items, in rank order."""
@@ -52,7 +53,7 @@ def _host_run(cfg, sched):
     model = mlp()
     replica = gs.DataParallel(model, group=top.intra_group)
     inner = torch.optim.SGD(model.parameters(), lr=LR)
-    common = dict(outer_optimizer=_outer(cfg["outer"]), sync_every=cfg["H"], topology=top)
+    common = dict(outer_optimizer=outer_optimizer(cfg["outer"]), sync_every=cfg["H"], topology=top)
     if "F" in cfg:
         d = gs.StreamingDiLoCo(model, inner, fragments=cfg["F"], delay=cfg["tau"],
                                alpha=cfg["alpha"], **common)
@@ -78,48 +79,44 @@ def _host_run(cfg, sched):
         d.sync_now()
     if hasattr(d, "close"):
         d.close()
-    return [p.detach().clone() for p in model.parameters()], d.stats(), inter
+    return {"params": [p.detach().clone() for p in model.parameters()], "stats": d.stats(),
+            "inter_host": inter}
 
 
 def _bad_input():
     top = HostTopology(ranks_per_host=PER_HOST)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    return errors_of(lambda: gs.DiLoCo(model, opt, topology="hosts"),
-                     lambda: gs.DiLoCo(model, opt, topology=top, compress="int8"))
+    return errors_of(not_a_topology=lambda: gs.DiLoCo(model, opt, topology="hosts"),
+                     compressed=lambda: gs.DiLoCo(model, opt, topology=top, compress="int8"))
 
 
 _cache: dict = {}
 
 
-def _results(index):
+JOBS = {"dp": (_host_run, (DP, SCHED)), "nesterov": (_host_run, (NESTEROV, SCHED)),
+        "stream": (_host_run, (STREAM, SCHED)), "bad_input": (_bad_input, ())}
+
+
+def _results(name):
     if not _cache:
-        jobs = [(_host_run, (DP, SCHED)), (_host_run, (NESTEROV, SCHED)),
-                (_host_run, (STREAM, SCHED)), (_bad_input, ())]
-        _cache["r"] = gs.spawn(run_jobs, WORLD, jobs, timeout_s=90)
-    return job_results(_cache["r"], index)
-
-
-def _identical(res):
-    p0 = res[0][0]
-    for r, (p, _, _) in enumerate(res[1:], start=1):
-        assert all(torch.equal(a, b) for a, b in zip(p0, p)), f"rank {r} differs"
-    return p0
+        _cache["r"] = gs.spawn(run_jobs, WORLD, JOBS, timeout_s=90)
+    return job_results(_cache["r"], name)
 
 
 def test_h1_per_host_is_synchronous_sgd_on_the_global_batch():
-    params = _identical(_results(0))
+    params = identical(_results("dp"), WORLD)
     assert any(not rank for step in SCHED for rank in step)  # ranks without data
-    gap = max_gap(params, _reference_sync_sgd(SCHED))
+    gap = max_gap(params, reference_sync_sgd(SCHED))
     assert gap <= TOL, f"gap {gap:.3e}"
 
 
-@pytest.mark.parametrize("index,cfg", [(1, NESTEROV), (2, STREAM)])
-def test_a_host_is_one_worker_that_saw_its_ranks_items(index, cfg):
-    params = _identical(_results(index))
+@pytest.mark.parametrize("name,cfg", [("nesterov", NESTEROV), ("stream", STREAM)])
+def test_a_host_is_one_worker_that_saw_its_ranks_items(name, cfg):
+    params = identical(_results(name), WORLD)
     fragments = [[0, 1], [2, 3, 4, 5]] if "F" in cfg else None
-    gap = max_gap(params, _reference_local(HOST_SCHED, STEPS, WORLD // PER_HOST, cfg,
-                                           fragments))
+    gap = max_gap(params, reference_local(HOST_SCHED, STEPS, WORLD // PER_HOST, cfg,
+                                          fragments))
     assert gap <= TOL, f"gap {gap:.3e}"
 
 
@@ -127,17 +124,22 @@ def test_pseudo_gradients_travel_by_the_two_level_all_reduce():
     """One hierarchical all-reduce of the whole pseudo-gradient per sync (its inter-host
     step carries 1/2 of it per rank: ``test_hierarchical.py``), counted as a flat ring's
     2 (N-1)/N of the size."""
-    res = _results(1)
+    res = _results("nesterov")
+    assert len(res) == WORLD
     numel = sum(p.numel() for p in mlp().parameters())
-    syncs = res[0][1].syncs
+    syncs = res[0]["stats"].syncs
     assert syncs == 4  # steps 4, 8, 12 and sync_now at 14
-    for _, stats, seen in res:
+    for r in res:
+        stats, seen = r["stats"], r["inter_host"]
         assert seen["algorithms"] == {"hierarchical"}
         assert seen["bytes"] == syncs * numel * 8
         assert stats.bytes_sent == stats.exact_bytes
 
 
 def test_bad_topology_arguments_are_one_line_errors():
-    for errors in _results(3):
-        assert "must be a HostTopology" in errors[0]
-        assert "no group or compress" in errors[1]
+    errors = _results("bad_input")
+    assert len(errors) == WORLD
+    for rank in errors:
+        assert list(rank) == ["not_a_topology", "compressed"]
+        assert "must be a HostTopology" in rank["not_a_topology"]
+        assert "no group or compress" in rank["compressed"]

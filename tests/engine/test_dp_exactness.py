@@ -5,7 +5,6 @@ bitwise identical (max drift across replicas: 0).
 """
 
 import pytest
-import torch
 
 import gradsync as gs
 from tests.helpers import (
@@ -15,6 +14,7 @@ from tests.helpers import (
     max_gap,
     mlp,
     reference_train,
+    same_tensors,
 )
 
 STEPS = 20
@@ -33,14 +33,14 @@ def _train_both_optimizers(schedule, use_items=True, clip=None, seed_per_rank=Tr
     return out
 
 
-def _check(results, schedule, clip=None, tol=1e-12):
+def _check(results, world, schedule, clip=None, tol=1e-12):
+    assert len(results) == world
     x, y = dataset()
     for opt in ("sgd", "adamw"):
         ref = reference_train(mlp(seed=0), opt, schedule, x, y, clip=clip)
         r0 = results[0][opt]
         for r, res in enumerate(results[1:], start=1):
-            for a, b in zip(r0, res[opt]):
-                assert torch.equal(a, b), f"rank {r} drifted from rank 0 with {opt}"
+            assert same_tensors(r0, res[opt]), f"rank {r} drifted from rank 0 with {opt}"
         gap = max_gap(r0, ref)
         assert gap <= tol, f"{opt}: gap to single process {gap:.3e} > {tol}"
         assert results[0][opt + "_buckets"] > 1  # several buckets really exercised
@@ -50,7 +50,7 @@ def _check(results, schedule, clip=None, tol=1e-12):
 def test_equal_shards_match_single_process(world):
     schedule = even_schedule(STEPS, world, per_rank=24 // world, n=96)
     results = gs.spawn(_train_both_optimizers, world, schedule)
-    _check(results, schedule)
+    _check(results, world, schedule)
 
 
 def _uneven_schedule(world):
@@ -75,7 +75,7 @@ def _uneven_schedule(world):
 def test_uneven_items_and_accumulation_are_exact():
     schedule = _uneven_schedule(3)
     results = gs.spawn(_train_both_optimizers, 3, schedule)
-    _check(results, schedule, tol=1e-12)
+    _check(results, 3, schedule, tol=1e-12)
 
 
 def test_average_of_means_is_off_on_uneven_shards():
@@ -93,4 +93,4 @@ def test_average_of_means_is_off_on_uneven_shards():
 def test_clip_grad_norm_after_backward_matches_reference():
     schedule = even_schedule(8, 2, per_rank=12, n=96)
     results = gs.spawn(_train_both_optimizers, 2, schedule, True, 0.05)
-    _check(results, schedule, clip=0.05)
+    _check(results, 2, schedule, clip=0.05)

@@ -1,15 +1,24 @@
-"""DataParallel features: tied, frozen and unused parameters, bucket order, hooks, checkpointing."""
+"""DataParallel features: tied, frozen and unused parameters, bucket order, hooks, checkpointing.
 
-import pytest
+Each trains as one process on the whole batch (<= 1e-12, replicas bitwise identical);
+collectives: none under no_sync, one per bucket, launched during the backward, into
+buckets that ``.grad`` views. What DataParallel refuses: ``test_dp_errors.py``.
+"""
+
 import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import gradsync as gs
 from gradsync.engine.transport import comm
+from tests.engine.dp_models import (
+    SCHED,
+    Shuffled,
+    ckpt_factory,
+    frozen_factory,
+    reordered_factory,
+    run_dp,
+    unused_factory,
+)
 from tests.helpers import (
-    D_IN,
-    D_OUT,
     Tied,
     dataset,
     dp_train,
@@ -17,86 +26,43 @@ from tests.helpers import (
     max_gap,
     mse,
     reference_train,
+    same_tensors,
 )
 
 
-class Shuffled(nn.Module):
-    """Layers used in a different order than they were registered."""
-
-    def __init__(self, frozen=False, unused=False, ckpt=False):
-        super().__init__()
-        torch.manual_seed(4)
-        self.a = nn.Linear(8, 8)
-        self.head = nn.Linear(8, D_OUT)
-        self.b = nn.Linear(8, 8)
-        self.inp = nn.Linear(D_IN, 8)
-        self.c = nn.Linear(8, 8)
-        self.spare = nn.Linear(8, 8)
-        self.unused, self.ckpt = unused, ckpt
-        if frozen:
-            self.b.requires_grad_(False)
-        self.double()
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        h = torch.tanh(self.c(h))
-        if self.ckpt:
-            h = checkpoint(lambda t: torch.tanh(self.b(t)), h, use_reentrant=False)
-        else:
-            h = torch.tanh(self.b(h))
-        h = torch.tanh(self.a(h))
-        if not self.unused:
-            h = h + 0.1 * torch.tanh(self.spare(h))
-        return self.head(h)
-
-
-def _run(factory, schedule, opt="sgd", find_unused=False, cap=0.0002):
-    x, y = dataset()
-    dp = gs.DataParallel(
-        factory(), bucket_cap_mb=cap, first_bucket_mb=cap, find_unused_parameters=find_unused
-    )
-    params = dp_train(dp, opt, schedule, x, y, gs.rank())
-    return params, dp.bucket_plan, [s.name for s in dp.param_specs]
-
-
-SCHED = even_schedule(6, 2, per_rank=12, n=96)
-
-
-def _assert_exact(results, factory, schedule=SCHED, opt="sgd"):
+def _assert_exact(results, world, factory, schedule=SCHED, opt="sgd"):
+    assert len(results) == world
     x, y = dataset()
     ref = reference_train(factory(), opt, schedule, x, y)
-    assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0]))
-    assert max_gap(results[0][0], ref) <= 1e-12
+    for r, res in enumerate(results[1:], start=1):
+        assert same_tensors(results[0]["params"], res["params"]), f"rank {r} drifted"
+    assert max_gap(results[0]["params"], ref) <= 1e-12
 
 
 def test_tied_weights_synchronised_once():
-    results = gs.spawn(_run, 2, Tied, SCHED)
-    _assert_exact(results, Tied)
-    plan, names = results[0][1], results[0][2]
+    results = gs.spawn(run_dp, 2, Tied, SCHED)
+    _assert_exact(results, 2, Tied)
+    plan, names = results[0]["plan"], results[0]["names"]
     assert sum(len(b.params) for b in plan) == len(names) == 5
     assert any(" = " in n for n in names)  # the shared weight is listed under both names
 
 
-def frozen_factory():
-    return Shuffled(frozen=True)
-
-
 def test_frozen_parameters_never_communicated_nor_changed():
-    results = gs.spawn(_run, 2, frozen_factory, SCHED)
-    _assert_exact(results, frozen_factory)
-    assert not any(n.startswith("b.") for n in results[0][2])
+    results = gs.spawn(run_dp, 2, frozen_factory, SCHED)
+    _assert_exact(results, 2, frozen_factory)
+    assert not any(n.startswith("b.") for n in results[0]["names"])
     start = frozen_factory()
-    assert torch.equal(results[0][0][4], start.b.weight)  # params() order: a, head, b ...
-
-
-def reordered_factory():
-    return Shuffled()
+    names = [n for n, _ in start.named_parameters()]
+    trained = dict(zip(names, results[0]["params"], strict=True))
+    assert torch.equal(trained["b.weight"], start.b.weight)
+    assert torch.equal(trained["b.bias"], start.b.bias)
+    assert not torch.equal(trained["a.weight"], start.a.weight)  # the rest trained
 
 
 def test_use_order_differs_from_registration_tiny_buckets():
-    results = gs.spawn(_run, 3, reordered_factory, even_schedule(6, 3, 8, 96))
-    _assert_exact(results, reordered_factory, even_schedule(6, 3, 8, 96))
-    plan, names = results[0][1], results[0][2]
+    results = gs.spawn(run_dp, 3, reordered_factory, even_schedule(6, 3, 8, 96))
+    _assert_exact(results, 3, reordered_factory, even_schedule(6, 3, 8, 96))
+    plan, names = results[0]["plan"], results[0]["names"]
     # rebuilt in the order gradients became ready: head first, inp last
     first = names[plan[0].params[0]]
     last = names[plan[-1].params[-1]]
@@ -104,38 +70,14 @@ def test_use_order_differs_from_registration_tiny_buckets():
     assert len(plan) >= 10
 
 
-def ckpt_factory():
-    return Shuffled(ckpt=True)
-
-
 def test_activation_checkpointing_non_reentrant():
-    results = gs.spawn(_run, 2, ckpt_factory, SCHED, "adamw")
-    _assert_exact(results, ckpt_factory, opt="adamw")
-
-
-def unused_factory():
-    return Shuffled(unused=True)
+    results = gs.spawn(run_dp, 2, ckpt_factory, SCHED, "adamw")
+    _assert_exact(results, 2, ckpt_factory, opt="adamw")
 
 
 def test_unused_parameters_with_find_unused_true_count_as_zero():
-    results = gs.spawn(_run, 2, unused_factory, SCHED, "sgd", True)
-    _assert_exact(results, unused_factory)
-
-
-def _unused_error():
-    try:
-        _run(unused_factory, SCHED)
-    except gs.UnusedParametersError as e:
-        return str(e)
-    return None
-
-
-def test_unused_parameters_error_names_them_on_every_rank():
-    messages = gs.spawn(_unused_error, 2)
-    for r, msg in enumerate(messages):
-        assert msg is not None, f"rank {r} raised nothing"
-        assert "'spare.weight'" in msg and "'spare.bias'" in msg
-        assert "find_unused_parameters=True" in msg
+    results = gs.spawn(run_dp, 2, unused_factory, SCHED, "sgd", True)
+    _assert_exact(results, 2, unused_factory)
 
 
 def _count_collectives(accum):
@@ -162,13 +104,13 @@ def _count_collectives(accum):
         opt.step()
         opt.zero_grad()
         per_step.append(events)
-    return per_step, len(dp.bucket_plan)
+    return {"per_step": per_step, "buckets": len(dp.bucket_plan)}
 
 
 def test_collective_count_none_under_no_sync_one_per_bucket():
-    results = gs.spawn(_count_collectives, 2, 3)
-    per_step, n_buckets = results[0]
-    assert n_buckets >= 3
+    res = gs.spawn(_count_collectives, 2, 3)[0]
+    per_step, n_buckets = res["per_step"], res["buckets"]
+    assert n_buckets >= 3 and len(per_step) == 3
     # step 0 also carries the one-off broadcast of the observed gradient order
     assert per_step[0].count("rebuild") == 1
     for events in per_step[1:]:
@@ -176,50 +118,6 @@ def test_collective_count_none_under_no_sync_one_per_bucket():
         assert buckets == [f"bucket{i}" for i in range(n_buckets)]
         # the item count rides in the first bucket: nothing but the buckets travels
         assert events.count("header") == 0 and len(events) == n_buckets
-
-
-def _mismatch():
-    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2 + gs.rank()))
-    try:
-        gs.DataParallel(model)
-    except gs.ReplicaMismatchError as e:
-        return str(e)
-    return None
-
-
-def test_mismatched_models_error_on_every_rank():
-    messages = gs.spawn(_mismatch, 3)
-    assert all(m == messages[0] for m in messages) and messages[0] is not None
-    assert "'1.weight'" in messages[0]
-    assert "ranks 0, 1, 2" in messages[0]
-    assert "(2, 8)" in messages[0] and "(3, 8)" in messages[0]
-
-
-def _lazy(wrapper: str):
-    """A lazy module wrapped before its dummy forward: on every rank (a usage error), and
-    on rank 1 only (a mismatch naming the uninitialized entry, not a hang)."""
-    wrap = getattr(gs, wrapper)
-    out = []
-    for initialized_on in ((), (0,)):
-        torch.manual_seed(0)
-        module = nn.Sequential(nn.LazyLinear(3), nn.Tanh(), nn.Linear(3, 1))
-        if gs.rank() in initialized_on:
-            module(torch.zeros(2, 5))
-        try:
-            wrap(module)
-            out.append(None)
-        except (gs.UsageError, gs.ReplicaMismatchError) as e:
-            out.append((type(e).__name__, str(e)))
-    return out
-
-
-@pytest.mark.parametrize("wrapper", ["DataParallel", "FullyShardedDataParallel"])
-def test_uninitialized_lazy_module_is_refused_on_every_rank(wrapper):
-    for everywhere, one_rank in gs.spawn(_lazy, 2, wrapper, timeout_s=60):
-        assert everywhere[0] == "UsageError", everywhere
-        assert "'0.weight', '0.bias'" in everywhere[1] and "forward pass" in everywhere[1]
-        assert one_rank[0] == "ReplicaMismatchError", one_rank
-        assert "shape (3, 5)" in one_rank[1] and "shape uninitialized" in one_rank[1]
 
 
 def _hooks_left(model):
@@ -242,40 +140,19 @@ def _wrap_unwrap_rewrap():
     module.zero_grad()
     dp2 = gs.DataParallel(module)
     params = dp_train(dp2, "sgd", SCHED, x, y, gs.rank())
-    return before, during, after, _hooks_left(module), params, list(dp2.state_dict())
+    return {"hooks": {"before": before, "wrapped": during, "unwrapped": after,
+                      "rewrapped": _hooks_left(module)},
+            "params": params, "keys": list(dp2.state_dict())}
 
 
 def test_hooks_removed_on_unwrap_and_rewrap_works():
     results = gs.spawn(_wrap_unwrap_rewrap, 2)
-    before, during, after, again, params, keys = results[0]
     n_params = len(list(Shuffled().parameters()))
-    assert (before, during, after, again) == (0, n_params, 0, n_params)
-    assert not any(k.startswith("module.") for k in keys)
-
-
-def _mixed_modes():
-    x, y = dataset()
-    dp = gs.DataParallel(Shuffled())
-    try:
-        with dp.no_sync():
-            dp.backward(mse(dp(x[:4]), y[:4]), num_items=4)
-        mse(dp(x[4:8]), y[4:8]).backward()
-    except gs.UsageError as e:
-        return str(e)
-    return None
-
-
-def test_mixing_num_items_and_plain_backward_is_an_error():
-    messages = gs.spawn(_mixed_modes, 2)
-    assert all(m and "mixed" in m for m in messages)
-
-
-@pytest.mark.parametrize("bad", [-1, float("nan"), "three", 2.5])
-def test_bad_num_items_rejected(bad):
-    from gradsync.engine.sync.core import as_count as _as_count
-
-    with pytest.raises(gs.UsageError, match="num_items"):
-        _as_count(bad)
+    for res in results:
+        assert res["hooks"] == {"before": 0, "wrapped": n_params, "unwrapped": 0,
+                                "rewrapped": n_params}
+        assert res["keys"] == list(Shuffled().state_dict())  # no "module." prefix
+    assert same_tensors(results[0]["params"], results[1]["params"])  # the rewrap synchronises
 
 
 def _overlap_and_views():
@@ -297,34 +174,13 @@ def _overlap_and_views():
         any(p.grad.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
             for buf in buffers)
         for p in dp.parameters() if p.requires_grad)
-    return timeline, views
+    return {"timeline": timeline, "grads_are_views": views}
 
 
 def test_buckets_launch_during_backward_and_grads_are_bucket_views():
-    timeline, views = gs.spawn(_overlap_and_views, 2)[0]
-    assert views, "param.grad must be a view into a bucket buffer"
+    res = gs.spawn(_overlap_and_views, 2)[0]
+    assert res["grads_are_views"] is True, "param.grad must be a view into a bucket buffer"
+    timeline = res["timeline"]
     ready = timeline.index("input layer ready")
     launched_before = [t for t in timeline[:ready] if t.startswith("bucket")]
     assert len(launched_before) >= 2, timeline  # communication started mid-backward
-
-
-def _mixed_across_ranks_in_a_later_window(wrapper):
-    x, y = dataset()
-    model = (gs.DataParallel(Shuffled()) if wrapper == "dp"
-             else gs.FullyShardedDataParallel(Shuffled()))
-    mse(model(x[:4]), y[:4]).backward()  # a whole window of plain backwards: fine
-    try:
-        if gs.rank() == 0:  # the next window: plain here, num_items on the other rank
-            mse(model(x[4:8]), y[4:8]).backward()
-        else:
-            model.backward(mse(model(x[4:8]), y[4:8]), num_items=4)
-    except gs.UsageError as e:
-        return str(e)
-    return None
-
-
-@pytest.mark.parametrize("wrapper", ["dp", "fsdp"])
-def test_mixing_is_caught_in_every_window_not_just_the_first(wrapper):
-    """A plain pass must be counted in each window (each pass), on every rank."""
-    messages = gs.spawn(_mixed_across_ranks_in_a_later_window, 2, wrapper)
-    assert all(m and "mixed" in m for m in messages), messages

@@ -6,13 +6,14 @@ from torch import nn
 
 import gradsync as gs
 from gradsync.engine.transport import comm
-from tests.engine.test_zero import Tied, Tiny
 from tests.helpers import (
     D_IN,
     D_OUT,
     SHARDED_STEPS,
     SHARDED_TOL,
     ShardOptimizer,
+    Tied,
+    Tiny,
     dataset,
     job_results,
     max_gap,
@@ -20,6 +21,7 @@ from tests.helpers import (
     optimizer_spec,
     reference_train,
     run_jobs,
+    same_tensors,
     sharded_train,
     uneven_schedule,
 )
@@ -68,7 +70,8 @@ def _both(factory, wrap, schedule, clip=None, collectives="auto", prefetch=1):
             for k in ("sgd", "adamw")}
 
 
-def _check(results, factory, schedule, clip=None):
+def _check(results, world, factory, schedule, clip=None):
+    assert len(results) == world
     x, y = dataset()
     for kind in ("sgd", "adamw"):
         ref_model = factory()
@@ -77,8 +80,9 @@ def _check(results, factory, schedule, clip=None):
         got = dict(results[0][kind])
         assert list(got) == list(ref_model.state_dict())  # original names, original order
         for r in range(1, len(results)):
-            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(results[0][kind],
-                                                                   results[r][kind]))
+            other = dict(results[r][kind])
+            assert list(other) == list(got), f"rank {r}"
+            assert same_tensors(other.values(), got.values()), f"rank {r}"
         gap = max_gap([got[n] for n in names], ref)
         assert gap <= TOL[kind], f"{kind}: gap {gap:.3e}"
 
@@ -90,30 +94,31 @@ def _jobs(world):
     """Everything this module runs on ``world`` workers, in one spawn (tests stay fast)."""
     if world == 2:
         # world 2 without prefetch, world 3 with it: both gather schedules are exact
-        return [(_both, (Net, {Block}, SCHED[2], None, "native", 0)), (_count, ()),
-                (_bf16, (20,)), (_forward_without_backward, ())]
-    return [(_both, (Net, {Block}, SCHED[3], None, "auto")),
-            (_both, (Tied, {nn.Linear}, SCHED[3], None, "all_reduce")),
-            (_both, (Tiny, None, SCHED[3], 0.05))]
+        return {"net": (_both, (Net, {Block}, SCHED[2], None, "native", 0)),
+                "count": (_count, ()), "bf16": (_bf16, (20,)),
+                "forward_without_backward": (_forward_without_backward, ())}
+    return {"net": (_both, (Net, {Block}, SCHED[3], None, "auto")),
+            "tied": (_both, (Tied, {nn.Linear}, SCHED[3], None, "all_reduce")),
+            "tiny/clip": (_both, (Tiny, None, SCHED[3], 0.05))}
 
 
 _cache: dict = {}
 
 
-def _results(world, index):
+def _results(world, name):
     if world not in _cache:
         _cache[world] = gs.spawn(run_jobs, world, _jobs(world))
-    return job_results(_cache[world], index)
+    return job_results(_cache[world], name)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_fsdp_matches_single_process_with_uneven_items(world):
-    _check(_results(world, 0), Net, SCHED[world])
+    _check(_results(world, "net"), world, Net, SCHED[world])
 
 
 def test_fsdp_tied_weights_and_tiny_model():
-    _check(_results(3, 1), Tied, SCHED[3])
-    _check(_results(3, 2), Tiny, SCHED[3], clip=0.05)
+    _check(_results(3, "tied"), 3, Tied, SCHED[3])
+    _check(_results(3, "tiny/clip"), 3, Tiny, SCHED[3], clip=0.05)
 
 
 def _count():
@@ -131,11 +136,12 @@ def _count():
         events.clear()
         opt.step()
         stepped = list(events)
-    return no_sync, synced, stepped, len(model.units)
+    return {"no_sync": no_sync, "synced": synced, "stepped": stepped, "units": len(model.units)}
 
 
 def test_collectives_per_step():
-    no_sync, synced, stepped, units = _results(2, 1)[0]
+    res = _results(2, "count")[0]
+    no_sync, synced, stepped, units = (res[k] for k in ("no_sync", "synced", "stepped", "units"))
     assert units == 3  # root + two blocks
     # forward gathers every unit, backward re-gathers every unit but the root and the
     # last block (kept gathered from forward into backward); no gradient traffic
@@ -158,11 +164,12 @@ def _bf16(steps):
         opt.step()
         report = model.memory_report(opt)
         opt.zero_grad()
-    return report, model.full_state_dict(), sched
+    return {"report": report, "state": model.full_state_dict(), "schedule": sched}
 
 
 def test_bf16_memory_matches_formula_and_stays_close_to_fp32():
-    report, state, sched = _results(2, 2)[0]
+    res = _results(2, "bf16")[0]
+    report, state, sched = res["report"], res["state"], res["schedule"]
     expected = report.formula()  # 16P/N
     assert report.params == 0  # nothing gathered between steps
     assert abs(report.model_state - expected) <= 0.05 * expected, report.render()
@@ -194,16 +201,16 @@ def _forward_without_backward():
     with torch.no_grad():
         out = model(x[:4])
     gathered = [u.full.untyped_storage().nbytes() for u in model.units]
-    return kept, torch.equal(out, ref(x[:4])), gathered
+    return {"kept": kept, "same": torch.equal(out, ref(x[:4])), "gathered": gathered}
 
 
 def test_units_kept_for_backward_are_refreshed_by_the_next_forward():
     """The root and the last unit stay gathered from forward into backward; a forward
     that no backward followed must not leave stale parameters behind."""
-    kept, same, gathered = _results(2, 3)[0]
-    assert kept == [True, False, True]  # root, first block, last block
-    assert same  # the next forward used the changed shards
-    assert gathered == [0, 0, 0]  # an eval forward keeps nothing gathered
+    for res in _results(2, "forward_without_backward"):
+        assert res["kept"] == [True, False, True]  # root, first block, last block
+        assert res["same"] is True  # the next forward used the changed shards
+        assert res["gathered"] == [0, 0, 0]  # an eval forward keeps nothing gathered
 
 
 def _bf16_with_frozen(kind):
@@ -231,11 +238,15 @@ def _bf16_with_frozen(kind):
     state = model.full_state_dict() if kind == "fsdp" else module.state_dict()
     after = {n: p.detach() for n, p in frozen.named_parameters()}
     unchanged = all(torch.equal(after[n], before[n].to(after[n].dtype)) for n in before)
-    return {k: v.float() for k, v in state.items()}, unchanged, str(after["weight"].dtype)
+    return {"state": {k: v.float() for k, v in state.items()}, "frozen_unchanged": unchanged,
+            "frozen_dtype": str(after["weight"].dtype)}
 
 
 def test_bf16_with_a_frozen_layer_trains_as_data_parallel():
     fsdp, dp = (gs.spawn(_bf16_with_frozen, 2, kind, timeout_s=60)[0] for kind in ("fsdp", "dp"))
-    assert fsdp[1] and dp[1] and fsdp[2] == dp[2] == "torch.bfloat16"
-    for name, value in dp[0].items():  # fp32 sums in another order: a bf16 ulp at most
-        assert torch.allclose(fsdp[0][name].bfloat16().float(), value, rtol=2**-7, atol=1e-3), name
+    assert fsdp["frozen_unchanged"] is True and dp["frozen_unchanged"] is True
+    assert fsdp["frozen_dtype"] == dp["frozen_dtype"] == "torch.bfloat16"
+    assert list(fsdp["state"]) == list(dp["state"]) and dp["state"]
+    for name, value in dp["state"].items():  # fp32 sums in another order: a bf16 ulp at most
+        assert torch.allclose(fsdp["state"][name].bfloat16().float(), value, rtol=2**-7,
+                              atol=1e-3), name

@@ -85,7 +85,8 @@ def _job(name):
     fresh = gs.FullyShardedDataParallel(FACTORIES[name](0), wrap={nn.Linear})
     init = _copy(fresh.full_state_dict())
     missing, unexpected = fresh.load_state_dict({first: sd[first]}, strict=False)
-    out["partial"] = (fresh.full_state_dict(), init, len(missing), unexpected)
+    out["partial"] = {"state": fresh.full_state_dict(), "init": init, "missing": len(missing),
+                      "unexpected": unexpected}
     return out
 
 
@@ -96,7 +97,7 @@ _cache = {}
 @pytest.mark.parametrize("name", NAMES)
 def test_consolidated_state_dict_loads_into_shards(name):
     if not _cache:
-        _cache["r"] = gs.spawn(run_jobs, 3, [(_job, (n,)) for n in NAMES], timeout_s=120)
+        _cache["r"] = gs.spawn(run_jobs, 3, {n: (_job, (n,)) for n in NAMES}, timeout_s=120)
     sd = _pretrained(name)
     ref = FACTORIES[name](0)
     ref.load_state_dict(sd)
@@ -106,19 +107,21 @@ def test_consolidated_state_dict_loads_into_shards(name):
     mse(ref(x), y).backward()
     opt.step()
     first = next(k for k, v in sd.items() if v.ndim == 2)
-    for out in job_results(_cache["r"], NAMES.index(name)):
+    for out in job_results(_cache["r"], name):
         assert out["missing"] and "missing" in out["missing"], out
         assert repr(list(sd)[-1]) in out["missing"]
         assert "shape [1, 1] in the state dict" in out["shape"]
-        assert out["unchanged_after_errors"]
+        assert out["unchanged_after_errors"] is True
         assert out["loaded"].keys() == sd.keys()
         bad = [k for k, v in sd.items() if not torch.equal(out["loaded"][k], v)]
         assert not bad, (bad, [(out["loaded"][k] - sd[k]).abs().max() for k in bad])
         gap = max(float((out["stepped"][k] - v).abs().max())
                   for k, v in ref.state_dict().items())
         assert gap <= 1e-12, gap
-        partial, init, n_missing, unexpected = out["partial"]
-        assert unexpected == [] and n_missing == len(sd) - 1 - (name == "tied")
+        partial, init = out["partial"]["state"], out["partial"]["init"]
+        assert out["partial"]["unexpected"] == []
+        assert out["partial"]["missing"] == len(sd) - 1 - (name == "tied")
+        assert list(partial) == list(sd)
         for k in sd:
             want = sd[k] if k == first or (name == "tied" and k == "dec.weight") else init[k]
             assert torch.equal(partial[k], want), k

@@ -162,21 +162,24 @@ def tied_by_hand(wrap):
     try:
         model.backward(mse_sum(model(x), y) / len(x), num_items=len(x))
     except gs.UsageError as e:
-        return meta, str(e)
+        return {"meta": meta, "error": str(e), "state": None}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     opt.step()
-    return meta, model.full_state_dict()
+    return {"meta": meta, "error": None, "state": model.full_state_dict()}
 
 
 @pytest.mark.timeout(120)
 def test_a_unit_parameter_used_outside_its_unit_is_refused_not_garbage():
-    for meta, error in gs.spawn(tied_by_hand, 2, {nn.Linear, Block}, timeout_s=60):
-        assert meta == ((4, D), torch.float64, False, 4 * D)  # metadata still answers
+    for res in gs.spawn(tied_by_hand, 2, {nn.Linear, Block}, timeout_s=60):
+        assert res["meta"] == ((4, D), torch.float64, False, 4 * D)  # metadata still answers
+        error = res["error"]
         assert isinstance(error, str), "computed with a sharded parameter"
         assert "'embed.weight'" in error and "unit 'embed'" in error and "matmul" in error
     model = TiedByHand()
     x, y = map(torch.cat, zip(batch(0, 0), batch(0, 1)))
     (mse_sum(model(x), y) / len(x)).backward()
     torch.optim.SGD(model.parameters(), lr=LR).step()
-    for _meta, state in gs.spawn(tied_by_hand, 2, {Block}, timeout_s=60):
+    for res in gs.spawn(tied_by_hand, 2, {Block}, timeout_s=60):
+        state = res["state"]
+        assert res["error"] is None and list(state) == list(model.state_dict())
         assert max(float((state[k] - v).abs().max()) for k, v in model.state_dict().items()) < 1e-12

@@ -26,11 +26,13 @@ from tests.helpers import (
     dataset,
     dp_train,
     job_results,
+    job_table,
     max_gap,
     mlp,
     optimizer_spec,
     reference_train,
     run_jobs,
+    same_tensors,
     sharded_train,
     uneven_schedule,
 )
@@ -49,7 +51,7 @@ def _dp(collectives):
     with comm.add_observer(lambda k, ev: events.append(ev.meta.get("algorithm"))
                            if k == "launch" and ev.tag.startswith("bucket") else None):
         params = dp_train(dp, "sgd", SCHED, x, y, gs.rank())
-    return params, sorted(set(filter(None, events)))
+    return {"params": params, "algorithms": sorted(set(filter(None, events)))}
 
 
 def _zero2():
@@ -59,7 +61,8 @@ def _zero2():
     cls, kw = optimizer_spec("adamw")
     opt = gs.ZeroOptimizer(dp, cls, stage=2, **kw)
     sharded_train(dp, opt, SCHED, x, y, gs.rank())
-    return [p.detach().clone() for p in dp.module.parameters()], opt.comm.reduce_op
+    return {"params": [p.detach().clone() for p in dp.module.parameters()],
+            "reduce_op": opt.comm.reduce_op}
 
 
 def _hsdp():
@@ -84,55 +87,54 @@ def _hsdp():
         load_sharded(box[0], fresh, fresh_opt)
         reloaded = fresh.full_state_dict()
         torch.distributed.barrier()
-    same = all(torch.equal(state[k], reloaded[k]) for k in state)
-    return state, model.world, same, files
+    same = list(state) == list(reloaded) and all(torch.equal(state[k], reloaded[k]) for k in state)
+    return {"state": state, "shard_world": model.world, "reloaded_same": same, "files": files}
 
 
-def _jobs():
-    return ([(_dp, (c,)) for c in ("hierarchical", "ring", "tree", "server")]
-            + [(_zero2, ()), (_hsdp, ())])
-
-
+COLLECTIVES = ("hierarchical", "ring", "tree", "server")
+JOBS = job_table(*[(f"dp/{c}", _dp, (c,)) for c in COLLECTIVES],
+                 ("zero2", _zero2, ()), ("hsdp", _hsdp, ()))
 _cache: dict = {}
 
 
-def _results(index):
+def _results(name):
     if "r" not in _cache:
-        _cache["r"] = gs.spawn(run_jobs, WORLD, _jobs())
-    return job_results(_cache["r"], index)
+        _cache["r"] = gs.spawn(run_jobs, WORLD, JOBS)
+    return job_results(_cache["r"], name)
 
 
-@pytest.mark.parametrize("index,collectives", [(0, "hierarchical"), (1, "ring"), (2, "tree"),
-                                               (3, "server")])
-def test_dataparallel_with_reference_algorithms_matches_one_process(index, collectives):
-    results = _results(index)
+@pytest.mark.parametrize("collectives", COLLECTIVES)
+def test_dataparallel_with_reference_algorithms_matches_one_process(collectives):
+    results = _results(f"dp/{collectives}")
     x, y = dataset()
     ref = reference_train(mlp(), "sgd", SCHED, x, y)
-    for params, algorithms in results:
-        assert all(torch.equal(a, b) for a, b in zip(params, results[0][0]))
-        assert algorithms == [collectives]  # every bucket went through the algorithm
-    assert max_gap(results[0][0], ref) <= 1e-12
+    for res in results:
+        assert same_tensors(res["params"], results[0]["params"])
+        assert res["algorithms"] == [collectives]  # every bucket went through the algorithm
+    assert max_gap(results[0]["params"], ref) <= 1e-12
 
 
 def test_zero2_follows_a_hierarchical_dataparallel():
-    results = _results(4)
+    results = _results("zero2")
     x, y = dataset()
     ref = reference_train(mlp(), "adamw", SCHED, x, y)
-    assert results[0][1] == "hierarchical"
-    assert all(torch.equal(a, b) for r in results for a, b in zip(r[0], results[0][0]))
-    assert max_gap(results[0][0], ref) <= SHARDED_TOL["adamw"]
+    assert all(r["reduce_op"] == "hierarchical" for r in results)
+    assert all(same_tensors(r["params"], results[0]["params"]) for r in results)
+    assert max_gap(results[0]["params"], ref) <= SHARDED_TOL["adamw"]
 
 
 def test_hybrid_sharding_matches_one_process_and_checkpoints_from_one_host():
-    results = _results(5)
+    results = _results("hsdp")
     x, y = dataset()
     ref_model = Net()
     ref = reference_train(ref_model, "adamw", SAME, x, y)
-    state, shard_world, reloaded_same, files = results[0]
-    assert shard_world == 2  # sharded over a host's 2 ranks, not all 4
+    state = results[0]["state"]
+    assert all(r["shard_world"] == 2 for r in results)  # a host's 2 ranks, not all 4
     names = [n for n, _ in ref_model.named_parameters()]
     assert max_gap([state[n] for n in names], ref) <= SHARDED_TOL["adamw"]
     for r in results[1:]:
-        assert all(torch.equal(state[k], r[0][k]) for k in state)
-    assert all(r[2] for r in results)
-    assert files == ["manifest.json", "shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
+        assert list(r["state"]) == list(state)
+        assert same_tensors(r["state"].values(), state.values())
+    assert all(r["reloaded_same"] is True for r in results)
+    assert results[0]["files"] == ["manifest.json", "shard-00000-of-00002.pt",
+                                   "shard-00001-of-00002.pt"]

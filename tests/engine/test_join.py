@@ -31,7 +31,7 @@ from torch.distributed.algorithms.join import Join as TorchJoin
 
 import gradsync as gs
 from gradsync.engine.transport import comm
-from tests.helpers import D_IN, D_OUT, job_results, mlp, run_jobs
+from tests.helpers import D_IN, D_OUT, errors_of, job_results, job_table, mlp, mse, run_jobs
 
 WORLD, ACCUM, TOL = 3, 2, 1e-12
 MICRO = [3, 8, 6]  # micro-batches per rank: rank 0 runs out inside a window
@@ -48,10 +48,6 @@ def micro_batch(rank: int, k: int):
 
 def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-
-
-def mse(out, y):
-    return ((out - y) ** 2).mean()
 
 
 def reference():
@@ -143,7 +139,8 @@ def ddp_parity_job(divide: bool, how: str = "method"):
                     opt.step()
                     opt.zero_grad()
                     steps.append({n: p.detach().clone() for n, p in module.named_parameters()})
-        out[kind] = (steps, {n: t.detach().clone() for n, t in module.state_dict().items()})
+        out[kind] = {"steps": steps,
+                     "final": {n: t.detach().clone() for n, t in module.state_dict().items()}}
     return out
 
 
@@ -168,7 +165,7 @@ def throw_job(how: str = "gradsync"):
         error = str(e)
     check = torch.ones(1)
     dist.all_reduce(check)
-    return seen, error, float(check)
+    return {"iterations": seen, "error": error, "group_check": float(check)}
 
 
 def cost_job():
@@ -198,38 +195,37 @@ def cost_job():
     return counts
 
 
+def _enter_and_leave(context):
+    with context:
+        pass
+
+
 def refusal_job():
     """What join() cannot shadow, refused on every rank before anything runs."""
-    errors = []
     model = gs.DataParallel(mlp())
     zero = gs.ZeroOptimizer(model, torch.optim.SGD, stage=2, lr=0.1)
     model2 = gs.DataParallel(mlp())
     zero2 = gs.ZeroOptimizer(model2, torch.optim.SGD, stage=2, lr=0.1)
-    for make in (lambda: model.join(),
-                 lambda: gs.DataParallel(gs.convert_sync_batchnorm(BNNet())).join(),
-                 lambda: gs.DataParallel(mlp()).join(optimizer=42)):
-        try:
-            make()
-        except gs.UsageError as e:
-            errors.append(str(e))
+    errors = errors_of(
+        zero_without_optimizer=lambda: model.join(),
+        sync_batchnorm=lambda: gs.DataParallel(gs.convert_sync_batchnorm(BNNet())).join(),
+        not_an_optimizer=lambda: gs.DataParallel(mlp()).join(optimizer=42))
     del zero
-    for make in (lambda: TorchJoin([model]),  # ZeRO without its optimizer
-                 lambda: TorchJoin([zero2, model2])):  # the optimizer before the model
-        try:
-            with make():
-                pass
-        except gs.UsageError as e:
-            errors.append(str(e))
+    errors |= errors_of(  # torch's Join: ZeRO without its optimizer; the optimizer first
+        torch_zero_without_optimizer=lambda: _enter_and_leave(TorchJoin([model])),
+        torch_optimizer_first=lambda: _enter_and_leave(TorchJoin([zero2, model2])))
     model(micro_batch(0, 0)[0]).sum().backward()  # refused, not left half-open
     return errors
 
 
-JOBS = [(exact_job, ("ddp",)), (exact_job, ("zero1",)), (exact_job, ("zero2",)),
-        (exact_job, ("fsdp",)), (ddp_parity_job, (True,)), (ddp_parity_job, (False,)),
-        (throw_job, ()), (cost_job, ()), (refusal_job, ()),
-        (exact_job, ("ddp", "torch")), (exact_job, ("zero2", "torch")),
-        (exact_job, ("fsdp", "torch")), (ddp_parity_job, (True, "torch")),
-        (ddp_parity_job, (False, "torch")), (throw_job, ("torch",))]
+JOBS = job_table(
+    *[(f"exact/{k}", exact_job, (k,)) for k in ("ddp", "zero1", "zero2", "fsdp")],
+    *[(f"exact/{k}/torch", exact_job, (k, "torch")) for k in ("ddp", "zero2", "fsdp")],
+    ("ddp_join/divide", ddp_parity_job, (True,)), ("ddp_join/keep", ddp_parity_job, (False,)),
+    ("ddp_join/divide/torch", ddp_parity_job, (True, "torch")),
+    ("ddp_join/keep/torch", ddp_parity_job, (False, "torch")),
+    ("throw", throw_job, ()), ("throw/torch", throw_job, ("torch",)),
+    ("cost", cost_job, ()), ("refusal", refusal_job, ()))
 
 
 @pytest.fixture(scope="module")
@@ -238,26 +234,31 @@ def results():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index,kind", [(0, "ddp"), (1, "zero1"), (2, "zero2"), (3, "fsdp"),
-                                        (9, "ddp, torch's Join"), (10, "zero2, torch's Join"),
-                                        (11, "fsdp, torch's Join")])
-def test_join_gives_the_exact_mean_over_what_the_active_ranks_hold(results, index, kind):
+@pytest.mark.parametrize("name", ["exact/ddp", "exact/zero1", "exact/zero2", "exact/fsdp",
+                                  "exact/ddp/torch", "exact/zero2/torch", "exact/fsdp/torch"])
+def test_join_gives_the_exact_mean_over_what_the_active_ranks_hold(results, name):
     want = reference()
-    per_rank = job_results(results, index)
+    per_rank = job_results(results, name)
     for rank, got in enumerate(per_rank):
-        for name, value in want.items():
-            torch.testing.assert_close(got[name], value, rtol=0, atol=TOL,
-                                       msg=f"{kind}, rank {rank}, {name}")
-            assert torch.equal(got[name], per_rank[0][name]), (kind, rank, name)
+        assert list(got) == list(want), (name, rank)
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=TOL,
+                                       msg=f"{name}, rank {rank}, {key}")
+            assert torch.equal(got[key], per_rank[0][key]), (name, rank, key)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index,divide", [(4, True), (5, False), (12, True), (13, False)])
-def test_join_without_optimizer_matches_torch_ddp_join(results, index, divide):
-    for rank, got in enumerate(job_results(results, index)):
-        (t_steps, t_final), (g_steps, g_final) = got["torch"], got["gs"]
+@pytest.mark.parametrize("name", ["ddp_join/divide", "ddp_join/keep", "ddp_join/divide/torch",
+                                  "ddp_join/keep/torch"])
+def test_join_without_optimizer_matches_torch_ddp_join(results, name):
+    per_rank = job_results(results, name)
+    for rank, got in enumerate(per_rank):
+        t_steps, t_final = got["torch"]["steps"], got["torch"]["final"]
+        g_steps, g_final = got["gs"]["steps"], got["gs"]["final"]
         assert len(t_steps) == len(g_steps) == DDP_MICRO[rank] // ACCUM
+        assert list(g_final) == list(t_final) and t_final
         for s, (t, g) in enumerate(zip(t_steps, g_steps)):
+            assert list(g) == list(t) and t
             for name in t:
                 torch.testing.assert_close(g[name], t[name], rtol=0, atol=TOL,
                                            msg=f"rank {rank}, step {s}, {name}")
@@ -267,19 +268,20 @@ def test_join_without_optimizer_matches_torch_ddp_join(results, index, divide):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", [6, 14], ids=["model.join", "torch's Join"])
-def test_throw_on_early_termination_raises_on_every_rank(results, index):
-    got = job_results(results, index)
+@pytest.mark.parametrize("name", ["throw", "throw/torch"], ids=["model.join", "torch's Join"])
+def test_throw_on_early_termination_raises_on_every_rank(results, name):
+    got = job_results(results, name)
     shortest = min(MICRO)
-    for rank, (seen, error, check) in enumerate(got):
-        assert seen == shortest, (rank, seen)
-        assert error is not None and "exhausted" in error, (rank, error)
-        assert check == WORLD
+    for rank, res in enumerate(got):
+        assert res["iterations"] == shortest, (rank, res)
+        assert res["error"] is not None and "exhausted" in res["error"], (rank, res)
+        assert res["group_check"] == WORLD
 
 
 @pytest.mark.slow
 def test_join_costs_one_small_all_reduce_per_forward_and_nothing_when_disabled(results):
-    counts = job_results(results, 7)[0]
+    counts = job_results(results, "cost")[0]
+    assert list(counts) == ["plain", "disabled", "join"] and counts["plain"]
     assert counts["disabled"] == counts["plain"]
     assert [t for t in counts["join"] if t != "join"] == counts["plain"]
     assert counts["join"].count("join") == 3 + 1  # one per forward, one to agree all left
@@ -287,10 +289,12 @@ def test_join_costs_one_small_all_reduce_per_forward_and_nothing_when_disabled(r
 
 @pytest.mark.slow
 def test_join_refuses_what_it_cannot_shadow(results):
-    for errors in job_results(results, 8):
-        assert len(errors) == 5, errors
-        assert "needs optimizer=" in errors[0]
-        assert "SyncBatchNorm" in errors[1] and "num_items=0" in errors[1]
-        assert "takes an optimizer" in errors[2]
-        assert "needs optimizer=" in errors[3] and "Join([model, zero_optimizer])" in errors[3]
-        assert "list the gradsync model before" in errors[4]
+    for errors in job_results(results, "refusal"):
+        assert all(isinstance(m, str) for m in errors.values()) and len(errors) == 5, errors
+        assert "needs optimizer=" in errors["zero_without_optimizer"]
+        assert "SyncBatchNorm" in errors["sync_batchnorm"]
+        assert "num_items=0" in errors["sync_batchnorm"]
+        assert "takes an optimizer" in errors["not_an_optimizer"]
+        assert "needs optimizer=" in errors["torch_zero_without_optimizer"]
+        assert "Join([model, zero_optimizer])" in errors["torch_zero_without_optimizer"]
+        assert "list the gradsync model before" in errors["torch_optimizer_first"]

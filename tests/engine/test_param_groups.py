@@ -17,7 +17,7 @@ from torch import nn
 
 import gradsync as gs
 from gradsync.errors import UsageError
-from tests.helpers import SHARDED_TOL, job_results, mse, run_jobs
+from tests.helpers import SHARDED_TOL, job_results, job_table, mse, run_jobs
 
 STEPS = 4
 WORLD = 2
@@ -70,23 +70,24 @@ def _train(kind, omit=False):
         opt.step()
         opt.zero_grad(set_to_none=True)
     state = model.full_state_dict() if kind == "fsdp" else module.state_dict()
-    return {k: v.detach().clone() for k, v in state.items()}, len(opt.param_groups)
+    return {"state": {k: v.detach().clone() for k, v in state.items()},
+            "groups": len(opt.param_groups)}
 
 
 def _errors():
     module = _model()
     model = gs.DataParallel(module)
-    out = []
-    for groups in ([{"params": ["0.weight", "nope"]}],
-                   [{"params": ["0.weight"]}, {"params": ["0.weight"]}],
-                   [{"params": [torch.zeros(2)]}],
-                   {"params": ["0.weight"]},
-                   [{"params": []}]):
+    out = {}
+    for case, groups in (("unknown", [{"params": ["0.weight", "nope"]}]),
+                         ("twice", [{"params": ["0.weight"]}, {"params": ["0.weight"]}]),
+                         ("foreign", [{"params": [torch.zeros(2)]}]),
+                         ("not_a_list", {"params": ["0.weight"]}),
+                         ("nothing", [{"params": []}])):
         try:
             gs.ZeroOptimizer(model, torch.optim.AdamW, stage=1, param_groups=groups)
-            out.append(None)
+            out[case] = None
         except UsageError as e:
-            out.append(str(e))
+            out[case] = str(e)
     return out
 
 
@@ -94,12 +95,15 @@ KINDS = ("dp", "zero1", "zero2", "fsdp")
 _cache = {}
 
 
-def _results():
+JOBS = job_table(*[(f"{k}/all", _train, (k,)) for k in KINDS],
+                 *[(f"{k}/one-left-out", _train, (k, True)) for k in KINDS],
+                 ("errors", _errors, ()))
+
+
+def _results(name):
     if not _cache:
-        jobs = ([(_train, (k,)) for k in KINDS] + [(_errors, ())]
-                + [(_train, (k, True)) for k in KINDS])
-        _cache["r"] = gs.spawn(run_jobs, WORLD, jobs, timeout_s=120)
-    return _cache["r"]
+        _cache["r"] = gs.spawn(run_jobs, WORLD, JOBS, timeout_s=120)
+    return job_results(_cache["r"], name)
 
 
 def _reference(omit=False):
@@ -120,9 +124,10 @@ def _reference(omit=False):
 @pytest.mark.parametrize("kind", KINDS)
 def test_groups_by_name_train_as_one_process(kind, omit):
     ref = _reference(omit)
-    index = KINDS.index(kind) + (len(KINDS) + 1 if omit else 0)
-    for rank, (state, n_groups) in enumerate(job_results(_results(), index)):
-        assert n_groups == 2
+    results = _results(f"{kind}/{'one-left-out' if omit else 'all'}")
+    for rank, res in enumerate(results):
+        state = res["state"]
+        assert res["groups"] == 2 and list(state) == list(ref)
         gap = max(float((state[k] - v).abs().max()) for k, v in ref.items())
         assert gap <= SHARDED_TOL["adamw"], f"{kind} rank {rank}: {gap:.3e}"
     # the groups matter: without them the result differs by far more than the tolerance
@@ -137,10 +142,10 @@ def test_groups_by_name_train_as_one_process(kind, omit):
 
 
 def test_bad_groups_are_named_on_every_rank():
-    for msgs in job_results(_results(), len(KINDS)):
-        unknown, twice, foreign, not_list, nothing = msgs
-        assert "names 'nope', which is not a trainable parameter" in unknown
-        assert "'0.weight' is in param_groups[0] and param_groups[1]" in twice
-        assert "not one of the model's parameters" in foreign
-        assert "must be a non-empty list of dicts" in not_list
-        assert "name no parameter" in nothing
+    for msgs in _results("errors"):
+        assert all(isinstance(m, str) for m in msgs.values()) and len(msgs) == 5, msgs
+        assert "names 'nope', which is not a trainable parameter" in msgs["unknown"]
+        assert "'0.weight' is in param_groups[0] and param_groups[1]" in msgs["twice"]
+        assert "not one of the model's parameters" in msgs["foreign"]
+        assert "must be a non-empty list of dicts" in msgs["not_a_list"]
+        assert "name no parameter" in msgs["nothing"]

@@ -158,7 +158,7 @@ def distributed(cfg):
 
 def sweep(configs):
     torch.set_num_threads(1)
-    return [distributed(cfg) for cfg in configs]
+    return [{"config": cfg, "state": distributed(cfg)} for cfg in configs]
 
 
 @pytest.mark.timeout(300)
@@ -167,15 +167,17 @@ def test_random_models_train_as_one_process_on_every_strategy(world, seed):
     rng = random.Random(seed)
     configs = [make_config(rng) for _ in range(16)]
     results = gs.spawn(sweep, world, configs, timeout_s=240)
+    assert [[run["config"] for run in rank] for rank in results] == [configs] * world
     failures = []
     for i, cfg in enumerate(configs):
         want = reference(cfg, world)
         tol = 1e-12 if cfg["opt"] == "sgd" else 1e-7
         for rank in range(world):
-            got = results[rank][i]
+            got = results[rank][i]["state"]
+            assert list(got) == list(want), (i, rank)
             gap = max((float((want[k] - got[k]).abs().max()) for k in want if want[k].numel()),
                       default=0.0)
             if not gap <= tol:
                 failures.append(f"config {i} rank {rank}: gap {gap:.3e} {cfg}")
-            assert all(torch.equal(got[k], results[0][i][k]) for k in got), (i, rank)
+            assert all(torch.equal(got[k], results[0][i]["state"][k]) for k in got), (i, rank)
     assert not failures, "\n".join(failures)

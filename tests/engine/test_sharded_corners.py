@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from tests.helpers import dataset, errors_of, job_results, mlp, mse, run_jobs
+from tests.helpers import dataset, errors_of, job_results, mlp, mse, run_jobs, same_tensors
 
 
 def _clip(target_is_model: bool):
@@ -36,15 +36,16 @@ def _clip(target_is_model: bool):
         norms.append(float(gs.clip_grad_norm_(model if target_is_model else opt, 0.05)))
         opt.step()
         opt.zero_grad()
-    return norms, [p.detach().clone() for p in model.parameters()]
+    return {"norms": norms, "params": [p.detach().clone() for p in model.parameters()]}
 
 
 def _errors():
     model = gs.DataParallel(mlp())
     opt = gs.ZeroOptimizer(model, torch.optim.SGD, stage=1, lr=0.1)
     extra = nn.Parameter(torch.zeros(3, dtype=torch.float64))
-    return errors_of(lambda: opt.add_param_group({"params": [extra]}),
-                     lambda: gs.clip_grad_norm_(torch.optim.SGD([extra], lr=0.1), 1.0))
+    return errors_of(add_param_group=lambda: opt.add_param_group({"params": [extra]}),
+                     clip_an_optimizer=lambda: gs.clip_grad_norm_(
+                         torch.optim.SGD([extra], lr=0.1), 1.0))
 
 
 class Block(nn.Module):
@@ -64,7 +65,7 @@ def _fsdp_weight_between_steps():
     model(torch.randn(4, 5, dtype=torch.float64)).pow(2).mean().backward()
     opt.step()
     w = model.module[0].lin.weight
-    return w.device.type, tuple(w.shape), repr(w)
+    return {"device": w.device.type, "shape": tuple(w.shape), "repr": repr(w)}
 
 
 def _load_after_building(stage):
@@ -77,10 +78,10 @@ def _load_after_building(stage):
     model.backward(mse(model(x[:4].float()).float(), y[:4].float()), num_items=4)
     opt.step()
     name_of = {id(p): n for n, p in model.module.named_parameters()}
-    masters = [([name_of[id(p)] for p in sh.bucket.params], sh.master.detach().clone())
-               for sh in opt.shards]
-    return ({k: v.float() for k, v in model.module.state_dict().items()}, pretrained,
-            masters)
+    masters = [{"params": [name_of[id(p)] for p in sh.bucket.params],
+                "master": sh.master.detach().clone()} for sh in opt.shards]
+    return {"state": {k: v.float() for k, v in model.module.state_dict().items()},
+            "pretrained": pretrained, "masters": masters}
 
 
 def _bf16_batchnorm(kind):
@@ -102,16 +103,17 @@ def _bf16_batchnorm(kind):
         model(x).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    return [(b.dtype, bool(torch.isfinite(b.float()).all())) for b in net.buffers()
-            if b.is_floating_point()]
+    return [{"dtype": b.dtype, "finite": bool(torch.isfinite(b.float()).all())}
+            for b in net.buffers() if b.is_floating_point()]
 
 
 def _different_setups():
     r = gs.rank()
-    return errors_of(lambda: gs.DataParallel(mlp(), bucket_cap_mb=25 if r == 0 else 1e-4),
-                     lambda: gs.ZeroOptimizer(gs.DataParallel(mlp()), torch.optim.SGD,
-                                              stage=1 + r, lr=0.1),
-                     lambda: gs.FullyShardedDataParallel(
+    return errors_of(bucket_cap_mb=lambda: gs.DataParallel(
+                         mlp(), bucket_cap_mb=25 if r == 0 else 1e-4),
+                     stage=lambda: gs.ZeroOptimizer(gs.DataParallel(mlp()), torch.optim.SGD,
+                                                    stage=1 + r, lr=0.1),
+                     units=lambda: gs.FullyShardedDataParallel(
                          nn.Sequential(Block(), Block()).double(),
                          wrap={Block} if r == 0 else {nn.Linear}))
 
@@ -119,57 +121,68 @@ def _different_setups():
 _cache: dict = {}
 
 
-def _results(index):
+JOBS = {"clip/model": (_clip, (True,)), "clip/optimizer": (_clip, (False,)),
+        "errors": (_errors, ()), "fsdp_weight": (_fsdp_weight_between_steps, ()),
+        "different_setups": (_different_setups, ()),
+        "load/zero1": (_load_after_building, (1,)), "load/zero2": (_load_after_building, (2,)),
+        "bf16_batchnorm/ddp": (_bf16_batchnorm, ("ddp",)),
+        "bf16_batchnorm/zero2": (_bf16_batchnorm, ("zero2",)),
+        "bf16_batchnorm/fsdp": (_bf16_batchnorm, ("fsdp",))}
+
+
+def _results(name):
     if not _cache:
-        jobs = [(_clip, (True,)), (_clip, (False,)), (_errors, ()),
-                (_fsdp_weight_between_steps, ()), (_different_setups, ()),
-                (_load_after_building, (1,)), (_load_after_building, (2,)),
-                (_bf16_batchnorm, ("ddp",)), (_bf16_batchnorm, ("zero2",)),
-                (_bf16_batchnorm, ("fsdp",))]
-        _cache["r"] = gs.spawn(run_jobs, 2, jobs, timeout_s=90)
-    return job_results(_cache["r"], index)
+        _cache["r"] = gs.spawn(run_jobs, 2, JOBS, timeout_s=90)
+    return job_results(_cache["r"], name)
 
 
 def test_clip_through_the_model_is_the_zero_optimizers_clip():
-    by_model, by_opt = _results(0), _results(1)
-    for (n1, p1), (n2, p2) in zip(by_model, by_opt):
-        assert n1 == n2 and all(n > 0.05 for n in n1)  # clipping engaged every step
-        assert all(torch.equal(a, b) for a, b in zip(p1, p2))
+    by_model, by_opt = _results("clip/model"), _results("clip/optimizer")
+    for m, o in zip(by_model, by_opt, strict=True):
+        assert len(m["norms"]) == 3 and m["norms"] == o["norms"]
+        assert all(n > 0.05 for n in m["norms"])  # clipping engaged every step
+        assert same_tensors(m["params"], o["params"])
 
 
 def test_add_param_group_and_clip_on_an_optimizer_are_one_line_errors():
-    for add, clip in _results(2):
+    for errors in _results("errors"):
+        add, clip = errors["add_param_group"], errors["clip_an_optimizer"]
         assert add and "add_param_group" in add and "\n" not in add
         assert clip and "pass the model" in clip
 
 
 def test_fsdp_weight_between_steps_is_a_meta_tensor_of_its_shape():
-    for device, shape, text in _results(3):
-        assert device == "meta" and shape == (5, 5) and "meta" in text
+    for res in _results("fsdp_weight"):
+        assert res["device"] == "meta" and res["shape"] == (5, 5) and "meta" in res["repr"]
 
 
 def test_settings_that_differ_across_ranks_are_named_on_every_rank():
-    ranks = _results(4)
+    ranks = _results("different_setups")
     assert ranks[0] == ranks[1]
-    for msg, word in zip(ranks[0], ["bucket_cap_mb", "stage", "units"]):
+    assert list(ranks[0]) == ["bucket_cap_mb", "stage", "units"]
+    for word, msg in ranks[0].items():
         assert msg and word in msg and "differs across ranks" in msg and "\n" not in msg, msg
 
 
-@pytest.mark.parametrize("index", [5, 6], ids=["zero1", "zero2"])
-def test_bf16_zero_keeps_weights_loaded_after_it_was_built(index):
-    for now, pretrained, _masters in _results(index):
-        for k, v in pretrained.items():
-            assert torch.equal(now[k], v.bfloat16().float()), k  # the load, rounded once
-    ranks = _results(index)
-    pretrained = ranks[0][1]
-    for k, (names, _) in enumerate(ranks[0][2]):  # the masters are the fp32 values, unrounded
-        flat = torch.cat([r[2][k][1] for r in ranks])
-        expect = torch.cat([pretrained[n].reshape(-1) for n in names])
+@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+def test_bf16_zero_keeps_weights_loaded_after_it_was_built(stage):
+    ranks = _results(f"load/{stage}")
+    for res in ranks:
+        assert list(res["state"]) == list(res["pretrained"])
+        for k, v in res["pretrained"].items():
+            assert torch.equal(res["state"][k], v.bfloat16().float()), k  # loaded, rounded once
+    pretrained = ranks[0]["pretrained"]
+    masters = ranks[0]["masters"]
+    assert masters and all(len(r["masters"]) == len(masters) for r in ranks)
+    for k, shard in enumerate(masters):  # the masters are the fp32 values, unrounded
+        flat = torch.cat([r["masters"][k]["master"] for r in ranks])
+        expect = torch.cat([pretrained[n].reshape(-1) for n in shard["params"]])
         assert flat.dtype == torch.float32
         assert torch.equal(flat[:expect.numel()], expect)
 
 
-@pytest.mark.parametrize("index", [7, 8, 9], ids=["ddp", "zero2", "fsdp"])
-def test_bf16_trains_a_batchnorm_model(index):
-    for buffers in _results(index):
-        assert buffers and all(d == torch.bfloat16 and ok for d, ok in buffers)
+@pytest.mark.parametrize("kind", ["ddp", "zero2", "fsdp"])
+def test_bf16_trains_a_batchnorm_model(kind):
+    for buffers in _results(f"bf16_batchnorm/{kind}"):
+        assert len(buffers) == 2  # running_mean, running_var
+        assert all(b["dtype"] == torch.bfloat16 and b["finite"] is True for b in buffers)

@@ -17,7 +17,7 @@ def _run(strategy):
     sched = even_schedule(5, 2, 12, 96)
     sharded_train(model, opt, sched, x, y, gs.rank())
     state = model.full_state_dict() if strategy == "zero3" else dict(model.module.state_dict())
-    return state, memory_report(model, opt), sched
+    return {"state": state, "report": memory_report(model, opt), "schedule": sched}
 
 
 def _bf16_ddp():
@@ -28,11 +28,14 @@ def _bf16_ddp():
     reports = []
     sharded_train(model, opt, sched, x.float(), y.float(), gs.rank(),
                   on_step=lambda: reports.append(memory_report(model, opt)))
-    return dict(model.module.state_dict()), reports[-1], sched
+    return {"state": dict(model.module.state_dict()), "report": reports[-1], "schedule": sched}
+
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 
 
 def _run_all():
-    return [_run(s) for s in ("ddp", "zero1", "zero2", "zero3")] + [_bf16_ddp()]
+    return {**{s: _run(s) for s in STRATEGIES}, "ddp/bf16": _bf16_ddp()}
 
 
 _cache: list = []
@@ -45,7 +48,8 @@ def _results():
 
 
 def test_bf16_data_parallel_memory_and_accuracy():
-    state, report, sched = _results()[4]
+    res = _results()["ddp/bf16"]
+    state, report, sched = res["state"], res["report"], res["schedule"]
     expected = report.formula()  # 16P: bf16 params and grads, fp32 master and moments
     assert abs(report.model_state - expected) <= 0.05 * expected, report.render()
     x, y = dataset()
@@ -61,7 +65,10 @@ def test_bf16_data_parallel_memory_and_accuracy():
 
 def test_all_strategies_agree_with_one_process():
     x, y = dataset()
-    for (state, report, sched), stage in zip(_results()[:4], range(4)):
+    results = _results()
+    assert list(results) == [*STRATEGIES, "ddp/bf16"]
+    for stage, strategy in enumerate(STRATEGIES):
+        state, report, sched = (results[strategy][k] for k in ("state", "report", "schedule"))
         ref_model = Net()
         ref = reference_train(ref_model, "sgd", sched, x, y)
         assert max_gap([state[n] for n, _ in ref_model.named_parameters()], ref) <= 1e-12

@@ -21,7 +21,7 @@ from torch import nn
 
 import gradsync as gs
 from gradsync.engine.transport import comm
-from tests.helpers import D_IN, D_OUT, job_results, run_jobs
+from tests.helpers import D_IN, D_OUT, job_results, job_table, run_jobs
 
 WORLD, C, TOL = 3, 4, 1e-12
 SIZES = {  # samples per rank in each step: uneven, and a rank with none
@@ -97,7 +97,7 @@ def module_job(kind, affine, momentum):
         x = batch(kind, 0)[0]
         lo = sum(SIZES[kind][0][:rank])
         out.append(sync(x[lo:lo + SIZES[kind][0][rank]]).detach())
-    return out, training_ops, ops
+    return {"steps": out, "training_ops": training_ops, "eval_ops": ops}
 
 
 def _rows(kind, step, rank):
@@ -108,15 +108,19 @@ def _rows(kind, step, rank):
 CASES = [("1d", True, 0.1), ("1d3", False, None), ("2d", True, None)]
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{k}-affine{a}-momentum{m}"
-                                                         for k, a, m in CASES])
-def test_matches_one_batchnorm_on_the_whole_batch(case):
-    kind, affine, momentum = CASES[case]
+def _case_name(kind, affine, momentum):
+    return f"{kind}-affine{affine}-momentum{momentum}"
+
+
+@pytest.mark.parametrize("kind,affine,momentum", CASES, ids=[_case_name(*c) for c in CASES])
+def test_matches_one_batchnorm_on_the_whole_batch(kind, affine, momentum):
     ref = reference(kind, affine, momentum)
     steps = len(SIZES[kind])
-    for rank, (got, training_ops, eval_ops) in enumerate(_results(case)):
-        assert training_ops == ["all_gather", "all_reduce"] * steps, training_ops
-        assert eval_ops == []  # running statistics: no communication in eval
+    for rank, res in enumerate(_results(_case_name(kind, affine, momentum))):
+        got = res["steps"]
+        assert len(got) == steps + 1  # every training step, then the evaluation
+        assert res["training_ops"] == ["all_gather", "all_reduce"] * steps, res
+        assert res["eval_ops"] == []  # running statistics: no communication in eval
         for step in range(steps):
             r, g, rows = ref[step], got[step], _rows(kind, step, rank)
             assert g["tracked"] == r["tracked"] == step + 1
@@ -195,7 +199,7 @@ def test_inside_data_parallel_equals_one_process_with_batchnorm():
         opt.step()
         opt.zero_grad()
     ref = model.state_dict()
-    for rank, got in enumerate(_results(len(CASES))):
+    for rank, got in enumerate(_results("data_parallel")):
         assert list(got) == list(ref)
         for k in ref:
             gap = float((got[k].double() - ref[k].double()).abs().max())
@@ -213,19 +217,20 @@ def too_few_job():
 
 
 def test_one_value_per_channel_over_all_ranks_is_an_error_on_every_rank():
-    messages = _results(len(CASES) + 1)
+    messages = _results("too_few")
     assert all(m and "more than 1 value per channel" in m and "got 1 over all ranks" in m
                for m in messages), messages
 
 
-JOBS = [(module_job, c) for c in CASES] + [(dp_job, ()), (too_few_job, ())]
+JOBS = job_table(*[(_case_name(*c), module_job, c) for c in CASES],
+                 ("data_parallel", dp_job, ()), ("too_few", too_few_job, ()))
 _cache: dict = {}
 
 
-def _results(index):
+def _results(name):
     if "spawn" not in _cache:
         _cache["spawn"] = gs.spawn(run_jobs, WORLD, JOBS)
-    return job_results(_cache["spawn"], index)
+    return job_results(_cache["spawn"], name)
 
 
 # ----------------------------------------------------------------------------- one process

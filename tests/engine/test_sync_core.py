@@ -16,7 +16,7 @@ from torch import nn
 
 import gradsync as gs
 from gradsync.engine.transport import comm
-from tests.helpers import job_results, max_gap, run_jobs
+from tests.helpers import job_results, job_table, max_gap, run_jobs
 
 KINDS = ("ddp", "zero2", "zero3")
 
@@ -145,41 +145,42 @@ def _no_param_pass():
         (g,) = torch.autograd.grad(out.sum(), inp, create_graph=True)
         during = list(events)
         model.backward((out ** 2).mean() + (g ** 2).mean(), num_items=4)
-    return during, len(events) > len(during)
+    return {"during_grad": during, "after_backward": events[len(during):]}
 
 
-def _jobs():
-    return ([(_train, (k,)) for k in KINDS] + [(_no_param_pass, ())]
-            + [(_nan_train, (k,)) for k in KINDS])
-
-
+JOBS = job_table(*[(f"sync_batchnorm/{k}", _train, (k,)) for k in KINDS],
+                 ("no_param_pass", _no_param_pass, ()),
+                 *[(f"nan/{k}", _nan_train, (k,)) for k in KINDS])
 _cache: dict = {}
 
 
-def _results(index):
+def _results(name):
     if "r" not in _cache:
-        _cache["r"] = gs.spawn(run_jobs, 2, _jobs())
-    return job_results(_cache["r"], index)
+        _cache["r"] = gs.spawn(run_jobs, 2, JOBS)
+    return job_results(_cache["r"], name)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_empty_and_all_ignored_micro_batches_with_sync_batchnorm_match_one_process(kind):
-    results = _results(KINDS.index(kind))
+    results = _results(f"sync_batchnorm/{kind}")
     ref = _reference()
+    assert list(results[0]) == list(ref)
     for name, value in ref.items():
         assert max_gap([results[0][name].double()], [value.double()]) <= 1e-12, name
         assert torch.equal(results[0][name], results[1][name]), name
 
 
 def test_a_pass_no_parameter_joins_issues_no_collective():
-    during, synced_after = _results(len(KINDS))[0]
-    assert during == []  # the buffer broadcast happened at the forward, before
-    assert synced_after
+    for res in _results("no_param_pass"):
+        assert res["during_grad"] == []  # the buffer broadcast happened at the forward, before
+        assert any(t.startswith("bucket") for t in res["after_backward"]), res
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_nan_from_a_rank_with_nothing_to_count_never_reaches_the_gradients(kind):
-    results = _results(len(KINDS) + 1 + KINDS.index(kind))
+    results = _results(f"nan/{kind}")
     ref = _nan_reference()
+    assert list(results[0]) == list(ref)
     for name, value in ref.items():
         assert max_gap([results[0][name]], [value]) <= 1e-12, name
+        assert torch.equal(results[0][name], results[1][name]), name

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import gradsync as gs
-from tests.helpers import job_results, run_jobs
+from tests.helpers import job_results, job_table, run_jobs
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -e '.[dev]')")
@@ -126,27 +126,31 @@ def train(strategy, kind):
         state = model.full_state_dict()
     else:
         state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    return state, counts
+    return {"state": state, "token_counts": counts}
 
 
-JOBS = [(train, (s, k)) for s in STRATEGIES for k in ("sgd", "adamw")]
+RUNS = [(s, k) for s in STRATEGIES for k in ("sgd", "adamw")]
+JOBS = job_table(*[(f"{s}-{k}", train, (s, k)) for s, k in RUNS])
 _cache: dict = {}
 
 
-def _results(index):
+def _results(name):
     if "spawn" not in _cache:
         _cache["spawn"] = gs.spawn(run_jobs, WORLD, JOBS)
-    return job_results(_cache["spawn"], index)
+    return job_results(_cache["spawn"], name)
 
 
-@pytest.mark.parametrize("index", range(len(JOBS)), ids=[f"{s}-{k}" for _, (s, k) in JOBS])
-def test_gpt2_matches_one_process_on_the_whole_batch(index):
-    strategy, kind = JOBS[index][1]
-    results = _results(index)
-    (state0, counts0), (_, counts1) = results
+@pytest.mark.parametrize("strategy,kind", RUNS, ids=[f"{s}-{k}" for s, k in RUNS])
+def test_gpt2_matches_one_process_on_the_whole_batch(strategy, kind):
+    results = _results(f"{strategy}-{kind}")
+    assert len(results) == WORLD == 2
+    state0, counts0, counts1 = (results[0]["state"], results[0]["token_counts"],
+                                results[1]["token_counts"])
+    assert len(counts0) == len(counts1) > 0
     assert counts0 != counts1  # ranks really hold different numbers of target tokens
-    for r, (state, _) in enumerate(results[1:], start=1):
-        assert all(torch.equal(state0[k], state[k]) for k in state0), f"rank {r} drifted"
+    for r, res in enumerate(results[1:], start=1):
+        assert list(res["state"]) == list(state0), f"rank {r}"
+        assert all(torch.equal(state0[k], res["state"][k]) for k in state0), f"rank {r} drifted"
     ref = reference(kind)
     assert list(state0) == list(ref)
     gap = max(float((state0[k] - ref[k]).abs().max()) for k in ref)

@@ -115,15 +115,18 @@ def _save_damage_load(tmp):
         errors["wrong model"] = str(e)
     fresh, _, (target2, _) = _build("zero2", Net)
     load_sharded(good, target2)  # the good checkpoint still loads after all of that
-    return errors, saved, dict(fresh.module.state_dict())
+    return {"errors": errors, "saved": saved, "loaded": dict(fresh.module.state_dict())}
 
 
 def test_damaged_files_other_model_and_interrupted_save(tmp_path):
-    errors, saved, loaded = gs.spawn(_save_damage_load, 2, tmp_path)[0]
+    res = gs.spawn(_save_damage_load, 2, tmp_path)[0]
+    errors, saved, loaded = res["errors"], res["saved"], res["loaded"]
+    assert sorted(errors) == ["corrupt", "none", "trunc", "wrong model"], errors
     assert f"{tmp_path / 'corrupt' / SHARD}: checksum mismatch" in errors["corrupt"]
     assert f"{tmp_path / 'trunc' / SHARD}: truncated" in errors["trunc"]
     assert "no manifest" in errors["none"]
     assert ("tensor 'inp.weight' has shape [10, 6] in the checkpoint but [11, 6]"
             in errors["wrong model"])
+    assert list(loaded) == list(saved) and saved
     for k in saved:  # the interrupted save left the previous checkpoint as it was
         assert torch.equal(saved[k], loaded[k]), k

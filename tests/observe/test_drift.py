@@ -24,18 +24,19 @@ def _worker():
     try:
         check_replicas(dp.module, step=7)
     except ReplicaMismatchError as e:
-        return healthy, str(e)
-    return healthy, None
+        return {"checked_when_healthy": healthy, "error": str(e)}
+    return {"checked_when_healthy": healthy, "error": None}
 
 
 def test_drift_check_silent_when_healthy_and_names_parameter_and_rank():
     results = gs.spawn(_worker, 2)
     n_params = len(list(mlp().parameters()))
-    for healthy, err in results:
-        assert healthy == n_params
+    for res in results:
+        assert res["checked_when_healthy"] == n_params
+        err = res["error"]
         assert err is not None
         assert "'2.weight'" in err and "rank(s) 1" in err and "step 7" in err
-    assert results[0][1] == results[1][1]  # the same message on every rank
+    assert results[0]["error"] == results[1]["error"]  # the same message on every rank
 
 
 def test_checksums_catch_a_sum_preserving_swap():

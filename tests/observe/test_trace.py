@@ -60,19 +60,20 @@ def _worker():
             tracer.end_step()
     tracer.stop()
     handle.remove()
-    return rank_payload(tracer), len(dp.bucket_plan), launched_in_no_sync, off_state, \
-        tracing.ACTIVE is None and not comm._observers
+    return {"payload": rank_payload(tracer), "buckets": len(dp.bucket_plan),
+            "launched_in_no_sync": launched_in_no_sync, "untraced_steps": off_state,
+            "cleaned_up": tracing.ACTIVE is None and not comm._observers}
 
 
 def test_trace_is_valid_chrome_json_and_collectives_sit_in_their_steps():
     results = gs.spawn(_worker, 2)
-    payloads = [r[0] for r in results]
-    n_buckets = results[0][1]
+    payloads = [r["payload"] for r in results]
+    n_buckets = results[0]["buckets"]
     assert n_buckets >= 3
-    for _, _, in_no_sync, off_state, cleaned_up in results:
-        assert in_no_sync == []  # no collective launched during a no_sync micro-step
-        assert off_state == [(True, 0)]  # step 1: not active, nothing recorded
-        assert cleaned_up  # stop() unregisters: the no-tracer path is back
+    for res in results:
+        assert res["launched_in_no_sync"] == []  # no collective during a no_sync micro-step
+        assert res["untraced_steps"] == [(True, 0)]  # step 1: not active, nothing recorded
+        assert res["cleaned_up"] is True  # stop() unregisters: the no-tracer path is back
 
     trace = json.loads(json.dumps(chrome_trace(payloads)))  # strictly JSON-serialisable
     events = trace["traceEvents"]

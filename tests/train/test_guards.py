@@ -203,15 +203,16 @@ def _drift_with_nan(out: str):
     try:
         inst.maybe_check_drift(4, module)
     except ReplicaMismatchError as e:
-        return str(e), inst.drift["ok"]
+        return {"error": str(e), "ok": inst.drift["ok"]}
     finally:
         inst.close()
-    return None, inst.drift["ok"]
+    return {"error": None, "ok": inst.drift["ok"]}
 
 
 def test_drift_check_reports_nan_parameters_as_drift(tmp_path):
     results = gs.spawn(_drift_with_nan, 2, str(tmp_path))
-    for message, ok in results:
+    for res in results:
+        message = res["error"]
         assert message and "parameter 'bias' holds NaN or inf at step 4" in message
-        assert ok is False
+        assert res["ok"] is False
     assert json.loads((tmp_path / "drift.json").read_text())["ok"] is False

@@ -96,18 +96,19 @@ def _counting_worker(out: str):
         extra = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
         extra = extra["strategy_extra"]
     second = gs.train(cfg)
-    return first, extra, second
+    return {"stopped_run": first, "extra_at_stop": extra, "resumed_run": second}
 
 
 def test_a_registered_strategy_plugs_in_with_its_hook_and_extra_state(tmp_path):
     out = str(tmp_path / "run")
     results = gs.spawn(_counting_worker, 2, out)
-    first, after_stop, summary = results[0]
+    first, after_stop, summary = (results[0][k] for k in ("stopped_run", "extra_at_stop",
+                                                          "resumed_run"))
     assert first is None and after_stop == {"updates": 2, "items": 24}
     assert summary["strategy"] == "counting" and summary["resumed_from"] == 2
     final = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
     assert final["strategy_extra"] == {"updates": 5, "items": 60}
-    assert results[1][2] is None  # rank 1 returns no summary
+    assert results[1]["resumed_run"] is None  # rank 1 returns no summary
 
 
 def test_the_example_factories_train(tmp_path):
