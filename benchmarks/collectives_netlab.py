@@ -26,6 +26,9 @@ about 2 S / rate. The PNG's last panel plots exactly that.
 
 Figures depend on this machine's load (all ranks of all hosts share its cores):
 re-measure on a quiet machine before quoting them.
+
+This file plans and launches; ``collectives_netlab_worker.py`` is what runs on
+the hosts, ``collectives_netlab_report.py`` renders the tables and the PNG.
 """
 
 from __future__ import annotations
@@ -33,62 +36,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
+from pathlib import Path
 
-ALGOS = ("ring", "tree", "server", "hierarchical")
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # its sibling modules, also when loaded by path
+    sys.path.append(str(HERE))
+WORKER = HERE / "collectives_netlab_worker.py"
 
+from collectives_netlab_report import links_rows, picture, table  # noqa: E402
+from collectives_netlab_worker import ALGOS  # noqa: E402
 
-# -- worker (runs under torchrun inside an emulated host) ---------------------------------
-
-def worker(points: list[tuple[str, int]], link_sizes: list[int], reps: int, out: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    import gradsync as gs
-    from gradsync.calibrate.links import measure_worker
-    from gradsync.engine.transport import comm
-    from gradsync.engine.transport.algorithms import ALGORITHMS, HostTopology, hierarchical
-
-    torch.set_num_threads(1)
-    gs.init()
-    links = measure_worker(link_sizes, reps)
-    top = HostTopology.from_env()
-    world = top.world_size
-    run = dict(ALGORITHMS, hierarchical=lambda t: hierarchical.all_reduce_(t, top))
-    mine = []
-    for algo, nbytes in points:
-        t = torch.ones(nbytes // 4)
-        run[algo](t)  # the check: a sum of ones is exact in float32
-        if not (t.min().item() == t.max().item() == world):
-            raise AssertionError(f"{algo} at {nbytes} B: wrong sum")
-        inner = max(1, min(8, (1 << 20) // nbytes))
-        for _ in range(inner):  # warm-up: fresh connections start slow (TCP slow start)
-            t.fill_(1.0)
-            run[algo](t)
-        for _ in range(reps):
-            t.fill_(1.0)
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                run[algo](t)
-            mine.append((time.perf_counter() - t0) / inner)
-    flat = torch.tensor(mine, dtype=torch.float64)
-    table = torch.empty(world * flat.numel(), dtype=torch.float64)
-    comm.all_gather_single(table, flat, tag="bench")
-    if dist.get_rank() == 0:
-        slowest = table.view(world, -1).max(dim=0).values.view(len(points), reps)
-        medians = [statistics.median(row) for row in slowest.tolist()]
-        with open(out, "w", encoding="utf-8") as f:
-            json.dump({"links": links, "points": [[a, n, m] for (a, n), m in
-                                                   zip(points, medians)]}, f)
-    top.close()
-    gs.shutdown()
-
-
-# -- parent: plan, launch under netlab, compare, render ------------------------------------
 
 def nominal_topology(hosts, g, rate_bytes):
     from gradsync.plan.two_level import Link, TwoLevelTopology
@@ -111,7 +70,7 @@ def measure(config, args, sizes, link_sizes, rate_bytes):
     with tempfile.TemporaryDirectory(prefix="gradsync-bench-") as tmp:
         out = os.path.join(tmp, "out.json")
         with Netlab(hosts, args.rate) as lab:
-            results = lab.torchrun([os.path.abspath(__file__), "--worker", out, json.dumps(
+            results = lab.torchrun([str(WORKER), out, json.dumps(
                 [points, link_sizes, args.reps])], procs_per_host=g, timeout=args.timeout)
         if any(r.returncode != 0 for r in results) or not os.path.exists(out):
             bad = next(r for r in results if r.returncode != 0)
@@ -127,118 +86,7 @@ def measure(config, args, sizes, link_sizes, rate_bytes):
     return cal, rows, skipped
 
 
-def table(rows, skipped, rate):
-    from rich.table import Table
-
-    from gradsync.plan.units import fmt_bytes, fmt_time
-
-    t = Table(title=f"All-reduce on emulated hosts, links {rate} each way: measured (median, "
-                    "slowest rank) and measured / predicted by plan.two_level with the links "
-                    "measured in the same run")
-    for col in ("hosts x ranks", "size", *ALGOS):
-        t.add_column(col, justify="right")
-    by = {}
-    for r in rows:
-        by[(r["hosts"], r["ranks_per_host"], r["nbytes"], r["algorithm"])] = r
-    keys = sorted({(r["hosts"], r["ranks_per_host"], r["nbytes"]) for r in rows}
-                  | {(h, g, n) for h, g, _, n in skipped})
-    for h, g, n in keys:
-        cells = []
-        for a in ALGOS:
-            r = by.get((h, g, n, a))
-            if r is None:
-                cells.append("skipped")
-                continue
-            ratio = r["measured_s"] / r["predicted_s"]
-            cells.append(f"{fmt_time(r['measured_s'])} ({ratio:.2f})")
-        t.add_row(f"{h} x {g}", fmt_bytes(n), *cells)
-    t.caption = ("cell: measured time (measured / predicted); 'skipped': predicted at the "
-                 "nominal rate above --max-op-s")
-    return t
-
-
-def links_rows(cals):
-    from rich.table import Table
-
-    from gradsync.plan.units import fmt_time
-
-    t = Table(title="Links measured per configuration (exchange of B bytes both ways)")
-    for col in ("hosts x ranks", "intra alpha", "intra bandwidth", "inter alpha",
-                "inter bandwidth", "inter R²"):
-        t.add_column(col, justify="right")
-    for (h, g), cal in cals.items():
-        intra = cal.intra.fit if cal.intra else None
-        t.add_row(f"{h} x {g}", fmt_time(intra.alpha_s) if intra else "-",
-                  f"{intra.bandwidth * 8 / 1e6:,.0f} Mbit/s" if intra else "-",
-                  fmt_time(cal.inter.fit.alpha_s),
-                  f"{cal.inter.fit.bandwidth * 8 / 1e6:,.0f} Mbit/s", f"{cal.inter.fit.r2:.3f}")
-    return t
-
-
-def picture(rows, rate, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    configs = sorted({(r["hosts"], r["ranks_per_host"]) for r in rows})
-    ncol = 3
-    nrow = (len(configs) + 1 + ncol - 1) // ncol
-    fig, axes = plt.subplots(nrow, ncol, figsize=(5 * ncol, 4 * nrow), squeeze=False)
-    colors = dict(zip(ALGOS, ("tab:blue", "tab:orange", "tab:red", "tab:green")))
-    marks = dict(zip(ALGOS, ("o", "s", "^", "x")))
-    for ax, (h, g) in zip(axes.flat, configs):
-        for a in ALGOS:
-            pts = sorted((r["nbytes"], r["measured_s"], r["predicted_s"]) for r in rows
-                         if (r["hosts"], r["ranks_per_host"], r["algorithm"]) == (h, g, a))
-            if not pts:
-                continue
-            xs = [p[0] for p in pts]
-            ax.plot(xs, [1e3 * p[1] for p in pts], marks[a], color=colors[a],
-                    label=f"{a} measured")
-            ax.plot(xs, [1e3 * p[2] for p in pts], "--", color=colors[a], label=f"{a} model")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_title(f"{h} hosts x {g} rank{'s' if g > 1 else ''}, {rate}")
-        ax.set_xlabel("message, bytes")
-        ax.set_ylabel("all-reduce time, ms")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6)
-    ax = axes.flat[len(configs)]
-    ones = [(h, g) for h, g in configs if g == 1]
-    common = None
-    for h, _ in ones:
-        sizes = {r["nbytes"] for r in rows if (r["hosts"], r["ranks_per_host"]) == (h, 1)
-                 and r["algorithm"] == "server"}
-        common = sizes if common is None else common & sizes
-    if ones and common:
-        n = max(common)
-        for a in ("server", "ring"):
-            pts = sorted((r["hosts"], r["measured_s"], r["predicted_s"]) for r in rows
-                         if r["ranks_per_host"] == 1 and r["algorithm"] == a
-                         and r["nbytes"] == n)
-            ax.plot([p[0] for p in pts], [1e3 * p[1] for p in pts], "o-", color=colors[a],
-                    label=f"{a} measured")
-            ax.plot([p[0] for p in pts], [1e3 * p[2] for p in pts], "--", color=colors[a],
-                    label=f"{a} model")
-        ax.set_title(f"parameter server saturates: {n / 1e6:.1f} MB, 1 rank per host")
-        ax.set_xlabel("workers (= hosts)")
-        ax.set_ylabel("all-reduce time, ms")
-        ax.set_xticks([h for h, _ in ones])
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    for extra in list(axes.flat)[len(configs) + 1:]:
-        extra.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main() -> int:
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        points, link_sizes, reps = json.loads(sys.argv[3])
-        worker([tuple(p) for p in points], link_sizes, reps, sys.argv[2])
-        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="hosts 2,3,4 x 1 rank and 2 x 2; sizes 16 KB, 256 KB, 4 MB; 3 reps")
@@ -258,7 +106,7 @@ def main() -> int:
 
     from gradsync.calibrate.collectives import log_sizes
     from gradsync.netlab import unavailable_reason
-    from gradsync.netlab.lab import tc_rate
+    from gradsync.netlab.links import tc_rate
     from gradsync.plan.units import parse_int_list
 
     reason = unavailable_reason()

@@ -54,77 +54,29 @@ Results go to ``--out`` (``results.json``, ``table.md``, ``slow_link.png``: held
 loss against training time for every method), written after every run, so an
 interrupted benchmark keeps what it measured (rerun with the same ``--out`` to
 finish: completed runs are kept unless ``--force``).
+
+This file runs the methods; ``slow_link_methods.py`` lists them and the workloads,
+``slow_link_judge.py`` computes the figures above, ``slow_link_render.py`` draws them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
-import statistics
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # its sibling modules, also when loaded by path (the tests)
+    sys.path.append(str(HERE))
 WORKER = HERE / "slow_link_worker.py"
 
-NO_PROBE = ["--probe-every", "0"]
-"""Compressed runs skip `gradsync train`'s exact-gradient probe (an exact all-reduce every
-25 steps, to record the compressed gradient's distance): a diagnostic, not part of the
-method, and over a slow link it costs an exact step each time."""
-
-METHODS: dict[str, list[str]] = {
-    "torch-ddp": ["--strategy", "torch-ddp"],
-    "exact": [],
-    "hierarchical": ["--collectives", "hierarchical"],
-    "bf16": ["--compress", "bf16", *NO_PROBE],
-    "fp16": ["--compress", "fp16", *NO_PROBE],
-    "int8": ["--compress", "int8", *NO_PROBE],
-    "powersgd:4": ["--compress", "powersgd:4", *NO_PROBE],
-    "diloco-25": ["--sync", "diloco", "--sync-every", "25"],
-    "diloco-100": ["--sync", "diloco", "--sync-every", "100"],
-    "streaming": ["--sync", "streaming-diloco", "--sync-every", "25", "--fragments", "4",
-                  "--sync-delay", "1", "--sync-alpha", "0.5"],
-    "diloco-25-hosts": ["--sync", "diloco", "--sync-every", "25", "--collectives",
-                        "hierarchical"],
-    "streaming-hosts": ["--sync", "streaming-diloco", "--sync-every", "25", "--fragments", "4",
-                        "--sync-delay", "1", "--sync-alpha", "0.5", "--collectives",
-                        "hierarchical"],
-    "no-sync": ["--sync", "diloco", "--sync-every", "1000000000"],
-    "diloco-25-4x": ["--sync", "diloco", "--sync-every", "25"],
-    "diloco-25-const": ["--sync", "diloco", "--sync-every", "25", "--schedule", "constant"],
-    "torch-ddp-const": ["--strategy", "torch-ddp", "--schedule", "constant"],
-}
-"""method -> its `gradsync train` flags (on top of the workload's)."""
-
-SAMPLES_X = {"diloco-25-4x": 4}
-"""Methods given a multiple of the common sample budget (steps; the schedule stretches
-with them): outside the equal-budget comparison, shown as such. On a slow link data is
-cheap and bandwidth is not, so "how soon does DiLoCo get there if it may read more" is
-the practical question when it cannot at equal samples."""
-
-WORKLOADS: dict[str, dict] = {
-    # Communication-bound: 8.4 M parameters (32 MiB of float32 gradient) and little compute.
-    "mlp": {"steps": 100, "eval_every": 5,
-            "flags": ["--model", "slow_link_worker:mlp", "--data", "teacher",
-                      "--optimizer", "adamw", "--lr", "1e-3", "--warmup", "10",
-                      "--global-batch", "128", "--micro-batch", "32"]},
-    # The built-in GPT (0.84 M parameters) on the standard library's sources.
-    "gpt": {"steps": 200, "eval_every": 10,
-            "flags": ["--model", "gpt", "--data", "pysrc", "--optimizer", "adamw",
-                      "--lr", "3e-3", "--warmup", "20", "--global-batch", "16",
-                      "--micro-batch", "4", "--seq-len", "128"]},
-}
-
-TOLERANCE = 1e-3
-LOCAL = {"diloco-25": 25, "diloco-100": 100, "streaming": None, "no-sync": None,
-         "diloco-25-4x": 25, "diloco-25-const": 25, "diloco-25-hosts": 25,
-         "streaming-hosts": None}
-"""Local-update methods -> the interval at which their replicas are identical (None: only
-at the end of the run)."""
+from slow_link_judge import summarise  # noqa: E402
+from slow_link_methods import METHODS, SAMPLES_X, WORKLOADS  # noqa: E402
+from slow_link_render import render  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -142,170 +94,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# --------------------------------------------------------------------------- reading runs
-def summarise(rows: list[dict]) -> dict:
-    """Per-run figures from metrics.jsonl: the curve and the per-step medians."""
-    train_t, curve = 0.0, []
-    for r in rows:
-        train_t += r["step_time_s"]
-        if r.get("eval_loss") is not None:
-            curve.append((r["step"], train_t, r["eval_loss"]))
-    steady = [r["step_time_s"] for r in rows[2:-1]] or [r["step_time_s"] for r in rows]
-    sent = [r.get("sent_bytes") or 0 for r in rows]
-    return {"curve": curve, "steps": len(rows), "median_step_s": statistics.median(steady),
-            "train_s": train_t, "sent_bytes_per_step": sum(sent) / max(1, len(sent)),
-            "final_eval": curve[-1][2] if curve else None}
-
-
-def comparable(method: str, step: int, last: int, quick_h: dict) -> bool:
-    """Is the model at ``step`` one model (every replica identical)?"""
-    if method not in LOCAL:
-        return True
-    h = quick_h.get(method, LOCAL[method])
-    return step == last or (h is not None and step % h == 0)
-
-
-def judge(results: dict, workload: str, rate: str, quick_h: dict) -> list[dict]:
-    """The table's rows for one (workload, rate): time to target, fraction of bound."""
-    runs = results.get(workload, {}).get(rate, {})
-    anchor = runs.get("torch-ddp")
-    if not anchor or anchor.get("final_eval") is None:
-        return []
-    target = anchor["final_eval"]
-    limit = target * (1 + TOLERANCE)
-
-    def reach(run, method):
-        last = run["steps"]
-        for step, t, loss in run["curve"]:
-            if loss <= limit and comparable(method, step, last, quick_h):
-                return step, t
-        return None, None
-
-    anchor_step, anchor_t = reach(anchor, "torch-ddp")
-    bound_run = runs.get("no-sync")
-    bound_t = anchor_step * bound_run["median_step_s"] if bound_run and anchor_step else None
-    exact_step = runs.get("exact", {}).get("median_step_s")
-    rows = []
-    for method, run in runs.items():
-        step, t = reach(run, method) if method != "no-sync" else (None, None)
-        label = f"{method} ({SAMPLES_X[method]}x samples)" if method in SAMPLES_X else method
-        rows.append({
-            "method": label, "target": target, "steps_to_target": step, "time_to_target_s": t,
-            "speedup_vs_ddp": anchor_t / t if t and anchor_t else None,
-            "fraction_of_bound": bound_t / t if t and bound_t else None,
-            "bound_s": bound_t, "median_step_s": run["median_step_s"],
-            "per_step_vs_exact": exact_step / run["median_step_s"] if exact_step else None,
-            "sent_mb_per_step": run["sent_bytes_per_step"] / 1e6,
-            "final_eval": run["final_eval"],
-            "final_vs_target": (run["final_eval"] / target - 1) if run["final_eval"] else None,
-        })
-    return rows
-
-
-# --------------------------------------------------------------------------- output
-def _fmt(v, spec, none="-"):
-    return none if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
-
-
-COLUMNS = (  # header, row key, format, what None shows as
-    ("method", "method", "s", "-"),
-    ("time to target (s)", "time_to_target_s", ".1f", "not reached"),
-    ("steps", "steps_to_target", "d", "-"),
-    ("x torch DDP", "speedup_vs_ddp", ".2f", "-"),
-    ("fraction of bound", "fraction_of_bound", ".2f", "-"),
-    ("s/step", "median_step_s", ".3f", "-"),
-    ("per step vs exact", "per_step_vs_exact", ".2f", "-"),
-    ("MB sent/rank/step", "sent_mb_per_step", ".3f", "-"),
-    ("final loss", "final_eval", ".4f", "-"),
-    ("vs target", "final_vs_target", "+.2%", "-"),
-)
-
-
-def judged_tables(results: dict, quick_h: dict):
-    """(title, rows of formatted cells) for every (workload, rate) that has a target."""
-    for workload, by_rate in results.items():
-        for rate in by_rate:
-            rows = judge(results, workload, rate, quick_h)
-            if rows:
-                title = (f"{workload}, {rate} (target: held-out loss {rows[0]['target']:.4f}, "
-                         f"torch DDP's at the end; bound {_fmt(rows[0]['bound_s'], '.1f')} s)")
-                yield title, [[_fmt(r[key], spec, none) for _, key, spec, none in COLUMNS]
-                              for r in rows]
-
-
-def table_markdown(results: dict, quick_h: dict) -> str:
-    out = []
-    for title, rows in judged_tables(results, quick_h):
-        out += [f"\n**{title}**\n", "| " + " | ".join(c[0] for c in COLUMNS) + " |",
-                "|" + "---|" * len(COLUMNS)]
-        out += ["| " + " | ".join(cells) + " |" for cells in rows]
-    return "\n".join(out) + "\n"
-
-
-def print_tables(results: dict, quick_h: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=160)
-    for title, rows in judged_tables(results, quick_h):
-        t = Table(title=title)
-        for header, *_ in COLUMNS:
-            t.add_column(header, justify="left" if header == "method" else "right")
-        for cells in rows:
-            t.add_row(*cells)
-        console.print(t)
-
-
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter
-
-    panels = [(w, r) for w, by in results.items() for r in by]
-    if not panels:
-        return
-    cols = min(2, len(panels))
-    nrows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(6.4 * cols, 4.6 * nrows), squeeze=False)
-    tab = plt.get_cmap("tab20").colors
-    colors = dict(zip(METHODS, tab[::2] + tab[1::2]))  # one colour per method, every panel
-    for ax, (workload, rate) in zip(axes.flat, panels):
-        runs = results[workload][rate]
-        for method, run in runs.items():
-            if method == "no-sync" or not run["curve"]:
-                continue
-            _, ts, losses = zip(*run["curve"])
-            style = "--" if method in LOCAL else "-"
-            ax.plot(ts, losses, style, marker=".", ms=3, lw=1.2, label=method,
-                    color=colors.get(method))
-        if "torch-ddp" in runs and runs["torch-ddp"]["final_eval"] is not None:
-            ax.axhline(runs["torch-ddp"]["final_eval"], color="k", lw=0.6, ls=":")
-        ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_title(f"{workload}, 2 hosts x 2 ranks, {rate}")
-        ax.set_xlabel("training time (s, log)")
-        ax.set_ylabel("held-out loss")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, title="dashed: local updates\n(replicas differ between syncs)",
-                  title_fontsize=6)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def render(out: Path, results: dict, quick_h: dict) -> None:
-    (out / "table.md").write_text(table_markdown(results, quick_h))
-    rows = {w: {r: judge(results, w, r, quick_h) for r in by} for w, by in results.items()}
-    (out / "judged.json").write_text(json.dumps(rows, indent=1))
-    plot(results, out / "slow_link.png")
-    print_tables(results, quick_h)
-
-
-# --------------------------------------------------------------------------- running
 def run_one(lab, workload: str, method: str, steps: int, eval_every: int, out: Path,
             timeout: float, quick_h: dict) -> dict:
     run_dir = out / "runs" / f"{workload}-{lab.rate}-{method.replace(':', '')}"

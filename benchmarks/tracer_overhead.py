@@ -2,18 +2,26 @@
 
     PYTHONPATH=src python benchmarks/tracer_overhead.py [--rounds 12 --steps 8]
 
-Three variants of DataParallel train the same MLP on 2 gloo workers:
+Three variants of DataParallel, and a control, train the same MLP on 2 gloo workers:
 
-* ``none``: the engine with every tracer statement removed. It is built at run
-  time from engine/data_parallel.py's own source by deleting, in the syntax tree,
-  every statement that mentions the tracer, so it is exactly today's engine minus
-  tracing (the stripped source is checked to mention ``tracing`` only in its import);
+* ``none``: the engine with every tracer statement removed. Only two engine
+  modules call the tracer on this path, ``engine/sync/core.py`` (the forward and
+  backward spans, shared by every strategy) and
+  ``engine/replicated/data_parallel.py`` (the wait for the buckets); both are
+  rebuilt at run time from their own source by deleting, in the syntax tree,
+  every statement that mentions the tracer, and the stripped DataParallel is
+  built on the stripped core, so it is exactly today's engine minus tracing (each
+  stripped source is checked to mention ``tracing`` only in its import). The
+  other user of ``tracing``, ``train/step.py``'s optimizer span, is not on this
+  path. ``comm``'s observer door stays: it is not tracer code (tests count
+  collectives through it) and, with no observer, one empty-list check per
+  collective, the same in every variant;
 * ``off``: the shipped engine, no tracer active (the default);
 * ``on``: the shipped engine with a Tracer recording every span and collective;
 * ``none-b``: a second untraced copy, an A/A control: its distance from ``none``
   is what this machine's noise and model placement alone produce.
 
-Timed blocks alternate (none, off, on, then rotated) inside one invocation, so
+Timed blocks alternate (none, none-b, off, on, then rotated) inside one invocation, so
 drift of a shared, noisy machine hits all variants alike; each block's median step
 is taken and the medians of those are compared. Target: off costs < 2%.
 """
@@ -34,6 +42,7 @@ import torch
 
 import gradsync as gs
 from gradsync.engine.replicated import data_parallel
+from gradsync.engine.sync import core
 from gradsync.engine.transport import tracing
 
 _TRACE_NAMES = {"tracing", "tracer", "t_wait"}
@@ -42,8 +51,6 @@ _TRACE_NAMES = {"tracing", "tracer", "t_wait"}
 def _mentions_tracer(stmt: ast.stmt) -> bool:
     if isinstance(stmt, (ast.Import, ast.ImportFrom)):
         return False
-    if ast.unparse(stmt) == "sync = self._syncing":  # kept only for the backward span
-        return True
     for node in ast.walk(stmt):
         if isinstance(node, ast.Name) and node.id in _TRACE_NAMES:
             return True
@@ -63,17 +70,32 @@ class _Strip(ast.NodeTransformer):
         return node
 
 
-def untraced_data_parallel():
-    """DataParallel compiled from the current source with every tracer statement deleted."""
-    tree = _Strip().visit(ast.parse(inspect.getsource(data_parallel)))
+def _untraced(module, imports: dict[str, str]) -> types.ModuleType:
+    """``module`` compiled from its current source with every tracer statement deleted,
+    registered as ``<package>._<name>_untraced``; ``imports`` maps a relative import's
+    module (``..sync.core``) to the untraced module it should read instead."""
+    tree = _Strip().visit(ast.parse(inspect.getsource(module)))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            dotted = "." * node.level + (node.module or "")
+            node.module = imports.get(dotted, node.module)
+            node.level = 0 if dotted in imports else node.level
     source = ast.unparse(ast.fix_missing_locations(tree))
     leftover = [ln for ln in source.splitlines() if "tracing" in ln and "import" not in ln]
     assert not leftover, leftover
-    mod = types.ModuleType("gradsync.engine._data_parallel_untraced")
-    mod.__package__ = "gradsync.engine"
+    package, _, name = module.__name__.rpartition(".")
+    mod = types.ModuleType(f"{package}._{name}_untraced")
+    mod.__package__ = package  # its relative imports resolve as the original's do
     sys.modules[mod.__name__] = mod
-    exec(compile(source, "<untraced data_parallel>", "exec"), mod.__dict__)
-    return mod.DataParallel
+    exec(compile(source, f"<untraced {module.__name__}>", "exec"), mod.__dict__)
+    return mod
+
+
+def untraced_data_parallel():
+    """DataParallel and the SyncedModule it extends, both compiled from the current
+    source with every tracer statement deleted."""
+    untraced_core = _untraced(core, {})
+    return _untraced(data_parallel, {"..sync.core": untraced_core.__name__}).DataParallel
 
 
 def _mlp(width: int, depth: int) -> torch.nn.Module:
@@ -136,22 +158,23 @@ def _worker(a: dict) -> dict | None:
 def off_path_bound_s(steps_per_check: int = 1_000_000) -> float:
     """Seconds per step the off path can cost: its checks per synchronised step, timed alone.
 
-    Per step the engine, tracer off, reads ``tracing.ACTIVE`` 6 times (forward:
-    1, start of backward: 1, end of backward: 2, the sync: 2) and compares with None.
+    Per step the engine, tracer off, runs what ``checks`` runs: sync/core.py reads
+    ``tracing.ACTIVE`` in the forward and at the start of backward and tests the
+    backward's start time at its end; data_parallel.py calls ``wait_begins`` (one
+    more read) and ``wait_ends`` around the wait for the buckets.
     """
     import timeit
 
     def checks():
-        tracer = tracing.ACTIVE
+        tracer = tracing.ACTIVE  # forward
         t0 = tracing.now() if tracer is not None else 0.0
         if tracer is not None:
             return t0
-        a = tracing.now() if tracing.ACTIVE is not None else None
-        b = tracing.now() if tracing.ACTIVE is not None else None
-        if a is not None and tracing.ACTIVE is not None:
-            return a
-        if b is not None and tracing.ACTIVE is not None:
-            return b
+        trace_t0 = tracing.now() if tracing.ACTIVE is not None else None  # start of backward
+        t_wait = tracing.wait_begins()  # the sync's wait for the buckets
+        tracing.wait_ends(t_wait, buckets=1)
+        if trace_t0 is not None and tracing.ACTIVE is not None:  # end of backward
+            return trace_t0
         return None
 
     loop = timeit.timeit(lambda: None, number=steps_per_check)

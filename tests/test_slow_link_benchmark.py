@@ -1,5 +1,6 @@
 """benchmarks/slow_link.py: its anchor really is torch DDP on the same trajectory, and its
-judging (time to target, local-update comparability, fraction of the bound) is right.
+judging (slow_link_judge.py: time to target, local-update comparability, fraction of the
+bound) and table (slow_link_render.py) are right.
 
 The benchmark itself needs root and an hour (see the README); these checks need neither.
 """
@@ -24,7 +25,8 @@ def _load(name):
     return mod
 
 
-slow_link = _load("slow_link")
+slow_link = _load("slow_link")  # the script loads, with its sibling modules (on sys.path)
+judging, rendering = _load("slow_link_judge"), _load("slow_link_render")
 
 
 def _rows(step_times, evals):
@@ -34,15 +36,15 @@ def _rows(step_times, evals):
 
 
 def test_time_to_target_counts_training_time_and_only_comparable_local_evaluations():
-    anchor = slow_link.summarise(_rows([2.0] * 10, {5: 0.8, 10: 0.5}))
-    fast = slow_link.summarise(_rows([1.0] * 10, {5: 0.5004, 10: 0.4}))  # within 0.1%
-    never = slow_link.summarise(_rows([1.0] * 10, {10: 0.51}))
+    anchor = judging.summarise(_rows([2.0] * 10, {5: 0.8, 10: 0.5}))
+    fast = judging.summarise(_rows([1.0] * 10, {5: 0.5004, 10: 0.4}))  # within 0.1%
+    never = judging.summarise(_rows([1.0] * 10, {10: 0.51}))
     # DiLoCo with H = 25 (quick: H = 4): step 5's evaluation mixes replicas, step 8's does not
-    local = slow_link.summarise(_rows([0.5] * 10, {5: 0.3, 8: 0.45, 10: 0.2}))
-    bound = slow_link.summarise(_rows([0.25] * 10, {10: 0.9}))
+    local = judging.summarise(_rows([0.5] * 10, {5: 0.3, 8: 0.45, 10: 0.2}))
+    bound = judging.summarise(_rows([0.25] * 10, {10: 0.9}))
     results = {"w": {"r": {"torch-ddp": anchor, "exact": fast, "int8": never,
                            "diloco-25": local, "no-sync": bound}}}
-    rows = {r["method"]: r for r in slow_link.judge(results, "w", "r", {"diloco-25": 4})}
+    rows = {r["method"]: r for r in judging.judge(results, "w", "r", {"diloco-25": 4})}
     assert rows["torch-ddp"]["time_to_target_s"] == 20.0
     assert rows["exact"]["steps_to_target"] == 5 and rows["exact"]["time_to_target_s"] == 5.0
     assert rows["exact"]["speedup_vs_ddp"] == 4.0
@@ -53,7 +55,7 @@ def test_time_to_target_counts_training_time_and_only_comparable_local_evaluatio
     assert rows["diloco-25"]["bound_s"] == 2.5
     assert rows["diloco-25"]["fraction_of_bound"] == pytest.approx(2.5 / 4.0)
     assert rows["exact"]["final_vs_target"] == pytest.approx(0.4 / 0.5 - 1)
-    table = slow_link.table_markdown(results, {"diloco-25": 4})
+    table = rendering.table_markdown(results, {"diloco-25": 4})
     assert "| int8 | not reached |" in table and "| exact | 5.0 | 5 | 4.00 |" in table
 
 

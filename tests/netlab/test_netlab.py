@@ -17,9 +17,11 @@ import pytest
 
 from gradsync.cli import main
 from gradsync.netlab import Netlab, list_namespaces
+from tests.netlab.unprivileged import as_unprivileged, probe
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "hier_worker.py")
+OURS = f"gsnl-{os.getpid()}-"  # every namespace this process creates (others' runs may be live)
 
 
 def _mine(lab_or_prefix) -> list[str]:
@@ -32,36 +34,47 @@ def _root_links() -> str:
                           timeout=30).stdout
 
 
+def _goodput_mbit(lab, src, dst, nbytes: int = 2_500_000) -> float:
+    srv = lab.popen(dst, [sys.executable, HERE / "tput.py", "srv", dst.addr, nbytes])
+    cli = lab.popen(src, [sys.executable, HERE / "tput.py", "cli", dst.addr, nbytes],
+                    stdout=subprocess.PIPE, text=True)
+    out, _ = cli.communicate(timeout=60)
+    srv.wait(timeout=30)
+    return float(out)
+
+
 @pytest.mark.parametrize("hosts", [2, 3])
 def test_link_is_rate_limited_both_ways_loopback_is_not(hosts):
-    """2 hosts: one veth; 3: a bridge. Goodput can exceed the rate only by the burst."""
+    """2 hosts: one veth; 3: a bridge. Every transfer's goodput is at most the rate (plus
+    the burst), and the best of three comes close to it: the limiter is the rate asked."""
     before = _root_links()
     with Netlab(hosts, "100mbit") as lab:
         assert len(_mine(lab)) == hosts + (hosts > 2)
         a, b = lab.hosts[0], lab.hosts[1]
-        mbit = {}
-        for name, (src, dst) in {"up": (a, b), "down": (b, a), "loopback": (a, a)}.items():
-            srv = lab.popen(dst, [sys.executable, HERE / "tput.py", "srv", dst.addr, 2_500_000])
-            cli = lab.popen(src, [sys.executable, HERE / "tput.py", "cli", dst.addr, 2_500_000],
-                            stdout=subprocess.PIPE, text=True)
-            out, _ = cli.communicate(timeout=60)
-            srv.wait(timeout=30)
-            mbit[name] = float(out)
+        mbit = {name: [_goodput_mbit(lab, src, dst) for _ in range(3)]
+                for name, (src, dst) in {"up": (a, b), "down": (b, a)}.items()}
+        loopback = _goodput_mbit(lab, a, a)
         assert _root_links() == before  # every interface lives inside the namespaces
     assert _mine(lab) == []
-    assert mbit["up"] < 110 and mbit["down"] < 110, mbit  # 100 Mbit/s + 32 KiB burst
-    assert mbit["loopback"] > 200, mbit  # inside a host: not limited
+    # at most the rate (100 Mbit/s; the 32 KiB burst adds ~1% to a 2.5 MB transfer)
+    assert max(mbit["up"] + mbit["down"]) < 110, mbit
+    # and not far below it. Single 2.5 MB transfers measured here (5-10 each way on 2 and 3
+    # hosts, per load): idle 87.9-96.0 Mbit/s; 3 or 6 busy loops on the 2 cores 87.4-96.0;
+    # 4 torch processes (matmul, sort) 68.3-95.9, the 68.3 the only one of 80 below 88.9.
+    # A stalled process lowers a reading, never raises it, hence the best of 3 against a
+    # bound with margin; a limiter 10x too strict gives 9.7.
+    assert max(mbit["up"]) > 70 and max(mbit["down"]) > 70, mbit
+    assert loopback > 200, loopback  # inside a host: not limited
 
 
 def test_cli_run_hierarchical_all_reduce_two_hosts_of_two(capsys):
     """`gradsync netlab run`: one torchrun agent per host, rendezvous across the link,
     exact sums and the same bits on all 4 ranks."""
-    before = list_namespaces()
     code = main(["netlab", "run", "--hosts", "2", "--procs-per-host", "2", "--rate", "1gbit",
                  "--timeout", "120", "--", WORKER])
     out = capsys.readouterr().out
     assert code == 0, out[-3000:]
-    assert list_namespaces() == before
+    assert _mine(OURS) == []
     lines = [ln for ln in out.splitlines() if ln.startswith("[h") and " rank=" in ln]
     assert len(lines) == 4, out[-3000:]
     fields = [dict(kv.split("=") for kv in ln.split()[1:]) | {"agent": ln.split()[0]}
@@ -74,12 +87,11 @@ def test_cli_run_hierarchical_all_reduce_two_hosts_of_two(capsys):
 
 def test_a_failed_host_stops_its_peers_after_the_grace():
     with Netlab(2, "1gbit") as lab:
-        t0 = time.monotonic()
         results = lab.run([["sh", "-c", "echo bye; exit 3"], ["sleep", "60"]], timeout=60,
                           grace_s=1.0)
-        assert time.monotonic() - t0 < 20
         assert lab.namespaces == _mine(lab)
     assert (results[0].returncode, results[0].stdout) == (3, "bye\n")
+    # the sleeper was killed (None) before the 60 s deadline (not timed_out): by the grace
     assert results[1].returncode is None and not results[1].timed_out
     assert _mine(lab) == []
 
@@ -161,14 +173,19 @@ print(json.dumps(out))
 @pytest.mark.skipif(os.geteuid() == 0 and shutil.which("setpriv") is None,
                     reason="needs setpriv to drop root")
 def test_without_root_every_command_says_so_in_one_line(tmp_path):
-    """Run as 'nobody' (a real unprivileged process, when the tests run as root)."""
+    """Run as 'nobody' (a real unprivileged process, when the tests run as root).
+
+    Skipped, naming the closed directory, where 'nobody' cannot import this
+    checkout's gradsync with this Python (a checkout or venv below a 0700 directory)."""
     import json
 
-    cmd = [sys.executable, "-c", ONE_BY_ONE, json.dumps(NO_ROOT_ARGV)]
-    if os.geteuid() == 0:
-        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                       env={**os.environ, "HOME": str(tmp_path), "MPLCONFIGDIR": str(tmp_path)})
+    env = {**os.environ, "HOME": str(tmp_path), "MPLCONFIGDIR": str(tmp_path)}
+    reason = probe(env, tmp_path)
+    if reason:
+        pytest.skip(reason)
+    r = subprocess.run(as_unprivileged([sys.executable, "-c", ONE_BY_ONE,
+                                        json.dumps(NO_ROOT_ARGV)]),
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     for argv, (code, stderr) in zip(NO_ROOT_ARGV, json.loads(r.stdout)):
         err = [ln for ln in stderr.splitlines() if ln.strip()]
@@ -193,12 +210,11 @@ def test_help_on_every_netlab_subcommand(capsys):
     (["calibrate", "--reps", "0"], "--reps must be >= 1"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, words):
-    before = list_namespaces()
     code = main(["netlab", *argv])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert code == 2 and len(err) == 1 and words in err[0], err
     assert err[0].startswith("gradsync netlab: error:")
-    assert list_namespaces() == before
+    assert _mine(OURS) == []
 
 
 def test_two_agents_train_stop_and_resume_across_the_link(tmp_path):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gradsync.netlab.lab import HostResult
+from gradsync.netlab import HostResult
 from gradsync.netlab.view import telling_line
 
 TORCHRUN_FAILURE = """\

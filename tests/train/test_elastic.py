@@ -5,8 +5,10 @@ killed mid-step in the first attempt, rank 0 is killed in the middle of a
 checkpoint save in the second (its new file written, not yet made current), and
 rank 0 mid-step in the third. Every restart must continue from the last complete
 checkpoint by itself, and the final parameters must be bit-identical to an
-uninterrupted run's. Every subprocess runs under a timeout; the time from each
-kill to the next completed step is measured from outside (line arrival times).
+uninterrupted run's (float64, SGD with momentum: a resume that lost the optimizer's
+state, the sampler's position or a step would show). Every subprocess runs under a
+timeout; the time from each kill to the next completed step is measured from
+outside (line arrival times) and printed, not asserted.
 """
 
 import os
@@ -17,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from gradsync.rundir import METRICS, read_metrics
@@ -59,11 +62,23 @@ def _run_timed(cmd, env, timeout):
     return proc.returncode, lines
 
 
-def test_three_kills_under_torchrun_end_bit_identical(tmp_path):
-    straight, chaos = tmp_path / "straight", tmp_path / "chaos"
-    rc, lines = _run_timed([*TORCHRUN, *TRAIN, "--out", str(straight)], _env(), 180)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The final checkpoint of one uninterrupted run of TRAIN, which every interrupted
+    run of the same configuration must reproduce bit for bit."""
+    out = tmp_path_factory.mktemp("straight")
+    rc, lines = _run_timed([*TORCHRUN, *TRAIN, "--out", str(out)], _env(), 180)
     assert rc == 0, "\n".join(x for _, x in lines[-40:])
+    return torch.load(out / "checkpoint.pt", weights_only=False)
 
+
+def _differing(a: dict, b: dict) -> list[str]:
+    """The parameters that differ in any bit, or exist in one state only."""
+    return sorted(a.keys() ^ b.keys()) + [k for k in a if k in b and not torch.equal(a[k], b[k])]
+
+
+def test_three_kills_under_torchrun_end_bit_identical(tmp_path, straight):
+    chaos = tmp_path / "chaos"
     rc, lines = _run_timed([*TORCHRUN, "--max-restarts", "3", *TRAIN, "--out", str(chaos)],
                            _env(GRADSYNC_FAULT=FAULTS), 300)
     text = "\n".join(x for _, x in lines)
@@ -75,27 +90,29 @@ def test_three_kills_under_torchrun_end_bit_identical(tmp_path):
     assert text.count("resuming from step 2 of 10 (2 workers, was 2)") == 2
     assert "resuming from step 6 of 10 (2 workers, was 2)" in text
 
-    a = torch.load(straight / "checkpoint.pt", weights_only=False)
     b = torch.load(chaos / "checkpoint.pt", weights_only=False)
     assert b["step"] == 10 and b["world_sizes"] == [2]
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert _differing(straight["model"], b["model"]) == []
     steps = [m["step"] for m in read_metrics(str(chaos / METRICS))[0]]
     assert steps == list(range(1, 11))  # no step twice, none missing
     assert not list(chaos.glob(".tmp-*"))
 
     recovery, resumed = [], []  # kill -> restarted workers resumed -> next step completed
-    for t_kill, _ in kills:
-        t_resume = next(t for t, x in lines if t > t_kill and "resuming from step" in x)
-        t_step = next(t for t, x in lines if t > t_resume and re.match(r"step \d+/10 +loss", x))
+    for t_kill, kind in kills:
+        t_resume = next((t for t, x in lines if t > t_kill and "resuming from step" in x), None)
+        assert t_resume is not None, f"no resume after the {kind} at t={t_kill}"
+        t_step = next((t for t, x in lines if t > t_resume and re.match(r"step \d+/10 +loss", x)),
+                      None)
+        assert t_step is not None, f"no step completed after the resume from the {kind}"
         resumed.append(t_resume - t_kill)
         recovery.append(t_step - t_kill)
     print(f"\nkill -> resumed: {', '.join(f'{s:.1f} s' for s in resumed)}; kill -> training "
           f"again (a step completed): {', '.join(f'{s:.1f} s' for s in recovery)}")
-    assert max(recovery) < 120
 
 
-def test_gradsync_train_max_restarts_continues_after_a_kill(tmp_path):
-    """The same with gradsync's own launcher: ``gradsync train --max-restarts 1``."""
+def test_gradsync_train_max_restarts_continues_after_a_kill(tmp_path, straight):
+    """The same with gradsync's own launcher: ``gradsync train --max-restarts 1``, rank 1
+    killed after step 4: the restarted run ends bit-identical to the uninterrupted one."""
     out = tmp_path / "run"
     args = [a for a in TRAIN[2:]]  # the flags, without "-m gradsync.train"
     r = subprocess.run([sys.executable, "-m", "gradsync.cli", "train", *args, "--out", str(out),
@@ -103,5 +120,7 @@ def test_gradsync_train_max_restarts_continues_after_a_kill(tmp_path):
                        cwd=ROOT, env=_env(GRADSYNC_FAULT="1:4:kill"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from step 4 of 10 (2 workers, was 2)" in r.stdout
-    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 10
+    b = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert b["step"] == 10 and b["world_sizes"] == [2]
+    assert _differing(straight["model"], b["model"]) == []
     assert [m["step"] for m in read_metrics(str(out / METRICS))[0]] == list(range(1, 11))

@@ -3,7 +3,8 @@
 Emulated hosts are Linux network namespaces joined by veth pairs (through a bridge
 for more than two), each host's link rate-limited both ways with ``tc tbf``; one
 ``torchrun`` agent per host makes a real multi-node run. Needs root. See
-``lab.py`` for what is and is not emulated and docs/netlab.md for measurements.
+``lab.py`` for what is and is not emulated, ``links.py`` for how, and
+docs/netlab.md for measurements.
 
 Importing this package imports no torch.
 """

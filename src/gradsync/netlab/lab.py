@@ -2,14 +2,9 @@
 
 What is emulated, and what is not (this kernel has no ``netem``):
 
-* **Bandwidth and queueing** of each host's link, in both directions: a ``tbf``
-  qdisc (token bucket: ``rate``, ``burst``, a queue of ``latency`` worth of bytes)
-  on the egress of both ends of the host's veth. With two hosts the veth joins
-  them directly; with more, each host's veth ends on a port of a bridge in a
-  separate "switch" namespace, so a host's upload is limited on its side and its
-  download on the bridge port -- the model of hosts on one switch, each with its
-  own NIC-speed link (a parameter server's link is then the bottleneck it is on
-  real networks).
+* **Bandwidth and queueing** of each host's link, in both directions: ``tbf`` on
+  both ends of every host's veth, hosts joined directly (two) or through a bridge
+  (more); ``links.py`` says how, and what goodput it gives here.
 * **Not propagation delay**: without netem there is no added latency, so alpha
   is this machine's (sub-millisecond) rather than a real network's.
 * **Not separate CPUs**: every host's ranks share this machine's cores; the
@@ -17,16 +12,10 @@ What is emulated, and what is not (this kernel has no ``netem``):
 * Ranks inside one host talk over the host's own loopback (a connection to one's
   own address is routed through ``lo``), which is not rate-limited.
 
-Measured goodput through the ``tbf`` here (TCP, one stream, 10-20 MB): 95.5
-Mbit/s at 100mbit, 383 at 400mbit, 955 at 1gbit, for any burst from 16 to 256
-KiB. The default burst, 32 KiB, is small enough that messages above ~64 KB see
-the rate (a large burst lets small messages pass at memory speed and bends the
-alpha-beta fit) and large enough for 1 Gbit/s.
-
-Addresses exist only inside the namespaces created here (``10.213.0.0/24``,
-host i at ``.10 + i``, so torchrun's rendezvous, which orders nodes by address
-string, gives host i group rank i); nothing is added to the machine's own
-namespace. Names carry the creating process's pid and start time (cleanup.py).
+This module is the lifetime of one emulated network: built on entry, torn down
+on exit, after Ctrl-C, SIGTERM and SIGHUP too, and by a watchdog if this process
+is killed outright. Names carry the creating process's pid and start time
+(cleanup.py); running commands on the hosts is ``processes.py``.
 """
 
 from __future__ import annotations
@@ -38,15 +27,16 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
-from ..plan.units import parse_bytes, parse_rate
-from . import cleanup
+from ..plan.units import parse_bytes
+from . import cleanup, links
+from .links import IFACE, Host, tc_rate
+from .processes import HostResult, run_all, terminate
 
-IFACE = "gs0"
+__all__ = ["Host", "HostResult", "Netlab", "NetlabUnavailable", "tc_rate", "unavailable_reason"]
+
 _instances = itertools.count()
 
 
@@ -64,29 +54,6 @@ def unavailable_reason() -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class Host:
-    index: int
-    netns: str
-    iface: str
-    addr: str
-
-
-@dataclass(frozen=True)
-class HostResult:
-    host: int
-    returncode: int | None  # None: killed (timeout, or a peer host failed first)
-    stdout: str
-    stderr: str
-    timed_out: bool = False
-
-
-def tc_rate(rate) -> tuple[float, str]:
-    """'100mbit' (or bytes/s as a number) -> (bytes per second, tc's 'NNNbit')."""
-    bps = parse_rate(rate, "--rate")
-    return bps, f"{round(bps * 8)}bit"
-
-
 class Netlab:
     """``hosts`` emulated hosts whose links run at ``rate`` each way.
 
@@ -95,7 +62,7 @@ class Netlab:
     ...                            procs_per_host=1, timeout=600)
 
     ``rate``: tc-style ('100mbit', '1gbit') or anything ``plan.units.parse_rate``
-    reads. ``burst``/``latency``: the tbf's bucket and queue (see module doc).
+    reads. ``burst``/``latency``: the tbf's bucket and queue (links.py).
     Set up on ``__enter__`` (or ``up()``), torn down on ``__exit__`` (``down()``),
     after Ctrl-C, SIGTERM and SIGHUP too; a watchdog process removes everything if
     this process is killed outright.
@@ -148,37 +115,9 @@ class Netlab:
             raise
         return self
 
-    def _sh(self, *args: str) -> None:
-        r = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
-        if r.returncode != 0:
-            raise UsageError(f"netlab: '{' '.join(args)}' failed: {r.stderr.strip()}")
-
-    def _limit(self, ns: str, dev: str) -> None:
-        self._sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                 self._tc_rate, "burst", self._burst, "latency", self._latency)
-
     def _build(self) -> None:
-        for ns in self.namespaces:
-            self._sh("ip", "netns", "add", ns)
-            self._sh("ip", "-n", ns, "link", "set", "lo", "up")
-        if self.switch is None:  # two hosts: one veth, a rate limit on each end
-            a, b = self.hosts
-            self._sh("ip", "link", "add", IFACE, "netns", a.netns, "type", "veth",
-                     "peer", "name", IFACE, "netns", b.netns)
-        else:
-            self._sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
-            self._sh("ip", "-n", self.switch, "link", "set", "br0", "up")
-            for h in self.hosts:
-                port = f"p{h.index}"
-                self._sh("ip", "link", "add", IFACE, "netns", h.netns, "type", "veth",
-                         "peer", "name", port, "netns", self.switch)
-                self._sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
-                self._sh("ip", "-n", self.switch, "link", "set", port, "up")
-                self._limit(self.switch, port)  # the host's download
-        for h in self.hosts:
-            self._sh("ip", "-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", IFACE)
-            self._sh("ip", "-n", h.netns, "link", "set", IFACE, "up")
-            self._limit(h.netns, IFACE)  # the host's upload (both ends, with two hosts)
+        links.build(self.hosts, self.switch,
+                    ("rate", self._tc_rate, "burst", self._burst, "latency", self._latency))
 
     def down(self) -> None:
         """Stop every process started here, remove the namespaces; idempotent."""
@@ -186,7 +125,7 @@ class Netlab:
             return
         try:
             for p in self._procs:
-                _terminate(p)
+                terminate(p)
             self._procs = []
             existing = set(cleanup.with_prefix(self.prefix))
             cleanup.remove([ns for ns in self.namespaces if ns in existing])
@@ -242,45 +181,10 @@ class Netlab:
         argvs = [commands(h) for h in self.hosts] if callable(commands) else list(commands)
         if len(argvs) != self.num_hosts:
             raise UsageError(f"netlab.run: {len(argvs)} commands for {self.num_hosts} hosts")
-        procs, readers, outs = [], [], []
-        for h, argv in zip(self.hosts, argvs):
-            p = self.popen(h, argv, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, errors="replace")
-            out: tuple[list[str], list[str]] = ([], [])
-            for stream, sink in ((p.stdout, out[0]), (p.stderr, out[1])):
-                t = threading.Thread(target=_pump, args=(stream, sink, f"[h{h.index}] " if echo
-                                                         else None), daemon=True)
-                t.start()
-                readers.append(t)
-            procs.append(p)
-            outs.append(out)
-        deadline = time.monotonic() + timeout
-        stop_at = deadline  # earlier once a host failed: its peers get grace_s
-        killed = [False] * len(procs)
-        timed_out = False
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if now > stop_at:
-                timed_out = now > deadline
-                break
-            if any(p.poll() not in (None, 0) for p in procs):
-                stop_at = min(stop_at, now + grace_s)
-            time.sleep(0.05)
-        for i, p in enumerate(procs):
-            if p.poll() is None:
-                killed[i] = True
-                _terminate(p)
-        for ns in self.namespaces:  # workers a killed agent left behind
-            if any(killed):
-                cleanup.kill_inside(ns)
-        for t in readers:
-            t.join(timeout=5)
-        for p in procs:
-            if p in self._procs:
-                self._procs.remove(p)
-        return [HostResult(i, None if killed[i] else p.returncode, "".join(o[0]), "".join(o[1]),
-                           timed_out and killed[i])
-                for i, (p, o) in enumerate(zip(procs, outs))]
+        results, ended = run_all(self.popen, self.hosts, argvs, self.namespaces, timeout, env,
+                                 echo, grace_s)
+        self._procs = [p for p in self._procs if p not in ended]
+        return results
 
     def torchrun_argv(self, host: Host, procs_per_host: int, args, port: int = 29500,
                       run_id: str | None = None) -> list[str]:
@@ -306,26 +210,3 @@ class Netlab:
         return self.run(lambda h: self.torchrun_argv(h, procs_per_host, args), timeout, env,
                         echo)
 
-
-def _pump(stream, sink: list[str], prefix: str | None) -> None:
-    for line in stream:
-        sink.append(line)
-        if prefix is not None:
-            print(prefix + line, end="", flush=True)
-    stream.close()
-
-
-def _terminate(p: subprocess.Popen, grace_s: float = 3.0) -> None:
-    """SIGTERM the process's session (torchrun forwards it to its workers), then SIGKILL."""
-    if p.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            p.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue

@@ -12,7 +12,7 @@ from ..plan.units import fmt_bytes, fmt_time
 
 if TYPE_CHECKING:
     from ..calibrate.links import LinkCalibration
-    from .lab import HostResult
+    from .processes import HostResult
 
 
 def check_table(rows: list[tuple[str, bool | None, str]]) -> Table:
