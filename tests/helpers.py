@@ -211,6 +211,29 @@ def job_results(results, name: str) -> list:
     return [res[name] for res in results]
 
 
+class SharedSpawn:
+    """One spawn of a test file's named job table per world size, at its first lookup.
+
+    Multi-process start-up dominates these tests on 2 cores, so a file runs all its
+    jobs in one ``gs.spawn`` and each test reads its job by name. ``jobs`` is the
+    ``{name: (fn, args)}`` table, or a function of the world size returning it.
+    """
+
+    def __init__(self, jobs, timeout_s: float | None = None):
+        self._jobs, self._timeout_s, self._runs = jobs, timeout_s, {}
+
+    def results(self, name: str, world: int) -> list:
+        """Job ``name``'s result on every rank (one per rank, checked)."""
+        import gradsync as gs
+
+        if world not in self._runs:
+            jobs = self._jobs(world) if callable(self._jobs) else self._jobs
+            self._runs[world] = gs.spawn(run_jobs, world, jobs, timeout_s=self._timeout_s)
+        res = job_results(self._runs[world], name)
+        assert len(res) == world, f"{name}: {len(res)} results from {world} ranks"
+        return res
+
+
 class Tied(nn.Module):
     """Encoder and decoder share one weight, as a language model's embedding and head do."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.helpers import dataset, mse
 from tests.parity_helpers import Job, failures, spawn_jobs
 
 TOL = 1e-12
@@ -19,6 +20,19 @@ def rows(x, y, ctx, step, per_rank=4, sizes=None):
     n = sum(sizes) if sizes else per_rank * ctx.world
     xs, ys = x[step * n:(step + 1) * n], y[step * n:(step + 1) * n]
     return ctx.part(xs, sizes), ctx.part(ys, sizes)
+
+
+def plain_steps(t, ctx, steps, per_rank=4):
+    """``steps`` plain training steps on the first rows of ``dataset(n=96)``: this rank's
+    rows, the mean loss with its item count, step, record (what most ported tests run
+    around the one behaviour they check)."""
+    x, y = dataset(n=96)
+    rec = {}
+    for step in range(steps):
+        xb, yb = rows(x, y, ctx, step, per_rank=per_rank)
+        t.backward(mse(t(xb), yb), len(xb))
+        t.step_and_record(rec, step)
+    return rec
 
 
 def out_record(ctx, out):

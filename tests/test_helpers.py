@@ -5,7 +5,15 @@ import pytest
 import torch
 
 import gradsync as gs
-from tests.helpers import errors_of, job_results, job_table, max_gap, run_jobs, same_tensors
+from tests.helpers import (
+    SharedSpawn,
+    errors_of,
+    job_results,
+    job_table,
+    max_gap,
+    run_jobs,
+    same_tensors,
+)
 from tests.parity_helpers import Job, spawn_jobs
 
 
@@ -65,3 +73,23 @@ def test_errors_of_names_each_case():
         raise gs.UsageError("no")
 
     assert errors_of(fine=lambda: None, refused=refuse) == {"fine": None, "refused": "no"}
+
+
+def _rank_times(x):
+    return (gs.rank() + 1) * x
+
+
+def test_shared_spawn_runs_once_per_world_and_reads_by_name():
+    calls = []
+    table = {"times": (_rank_times, (5,)), "negate": (_negate, (2,))}
+
+    def jobs(world):
+        calls.append(world)
+        return table
+
+    spawn = SharedSpawn(jobs, timeout_s=60)
+    assert spawn.results("times", 2) == [5, 10]
+    assert spawn.results("negate", 2) == [-2, -2]
+    assert calls == [2]  # the second lookup reads the same spawn
+    with pytest.raises(KeyError, match="no job named 'missing'"):
+        spawn.results("missing", 2)

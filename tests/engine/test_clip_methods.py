@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from tests.helpers import job_results, mse, run_jobs
+from tests.helpers import SharedSpawn, mse
 
 STEPS, MAX_NORM = 3, 0.05
 
@@ -51,7 +51,7 @@ def _train(kind):
 
 
 KINDS = ("zero1", "zero2", "fsdp")
-_cache = {}
+SPAWN = SharedSpawn({k: (_train, (k,)) for k in KINDS}, timeout_s=120)
 
 
 def _reference():
@@ -69,11 +69,9 @@ def _reference():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_clip_method_uses_the_global_norm(kind):
-    if not _cache:
-        _cache["r"] = gs.spawn(run_jobs, 3, {k: (_train, (k,)) for k in KINDS}, timeout_s=120)
     ref_norms, ref_state = _reference()
     assert min(ref_norms) > 10 * MAX_NORM  # every step clips
-    for res in job_results(_cache["r"], kind):
+    for res in SPAWN.results(kind, 3):
         norms, state = res["norms"], res["state"]
         assert len(norms) == len(ref_norms) == STEPS and list(state) == list(ref_state)
         assert max(abs(a - b) for a, b in zip(norms, ref_norms)) <= 1e-12

@@ -15,10 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import gradsync as gs
 from gradsync.engine.compress import gradient_distance
 from tests.engine.compress_helpers import SHAPES, N, local_input, make_compressor
-from tests.helpers import job_results, job_table, run_jobs
+from tests.helpers import SharedSpawn, job_table
 
 
 def _one_call(spec, dtype, scale=1.0, **kw):
@@ -64,15 +63,11 @@ def _int8_block(block):
     return _one_call("int8", torch.float32, 1.0, block=block)
 
 
-_cache: dict = {}
+SPAWN = SharedSpawn(_jobs, timeout_s=60)
 
 
 def _results(world, name):
-    if world not in _cache:
-        _cache[world] = gs.spawn(run_jobs, world, _jobs(world), timeout_s=60)
-    res = job_results(_cache[world], name)
-    assert len(res) == world
-    return res
+    return SPAWN.results(name, world)
 
 
 def _ratio(res):

@@ -21,7 +21,14 @@ import gradsync as gs
 from gradsync.engine.compress import PowerSGDCompressor, gradient_distance, parse_compression
 from gradsync.engine.transport import comm
 from tests.engine.compress_helpers import SHAPES, local_input, make_compressor
-from tests.helpers import dataset, job_results, job_table, mlp, mse, run_jobs, same_tensors
+from tests.helpers import (
+    SharedSpawn,
+    dataset,
+    job_table,
+    mlp,
+    mse,
+    same_tensors,
+)
 
 
 def _drift(spec, ef, steps=40):
@@ -180,15 +187,11 @@ JOBS = job_table(
     *[(f"resume/{s}", _resume, (s,)) for s in ("int8", "powersgd:1")],
     *[(f"data_parallel/{s}", _data_parallel, (s,)) for s in COMPRESSED_DP],
     *[(f"nonfinite/{s}", _nonfinite, (s,)) for s in DRIFT])
-_cache: dict = {}
+SPAWN = SharedSpawn(JOBS, timeout_s=60)
 
 
 def _results(name):
-    if "r" not in _cache:
-        _cache["r"] = gs.spawn(run_jobs, 2, JOBS, timeout_s=60)
-    res = job_results(_cache["r"], name)
-    assert len(res) == 2
-    return res
+    return SPAWN.results(name, 2)
 
 
 def test_error_feedback_keeps_the_accumulated_gap_bounded():

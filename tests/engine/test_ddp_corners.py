@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync as gs
-from tests.helpers import job_results, job_table, run_jobs
+from tests.helpers import SharedSpawn, job_table
 
 TOL = 1e-12
 
@@ -239,13 +239,11 @@ JOBS = job_table(
     ("wrapper_semantics", _wrapper_semantics, ()),
     ("ddp_checkpoint_loads", _ddp_checkpoint_loads, ()),
     *[(f"zeroed_grads_zero/stage{k}", _unused_with_zeroed_grads_zero, (k,)) for k in (1, 2)])
-_cache: dict = {}
+SPAWN = SharedSpawn(JOBS, timeout_s=90)
 
 
 def _results(name):
-    if not _cache:
-        _cache["r"] = gs.spawn(run_jobs, 2, JOBS, timeout_s=90)
-    return job_results(_cache["r"], name)
+    return SPAWN.results(name, 2)
 
 
 def _gap(a, b):

@@ -13,7 +13,7 @@ from torch import nn
 
 from tests.helpers import D_IN, D_OUT, dataset, mlp, mse
 from tests.parity_helpers import Trainer, failures
-from tests.parity_plan import DP_KINDS, Spawned, adamw, jobs, rows, sgd
+from tests.parity_plan import DP_KINDS, Spawned, adamw, jobs, plain_steps, rows, sgd
 
 
 class Square(nn.Module):
@@ -111,13 +111,7 @@ class Hooked(nn.Module):
 def module_hooks(ctx, group):
     """test_ddp_forward_backward_hook: forward pre/post hooks and a backward hook on a layer."""
     t = Trainer(ctx, Hooked(), group, sgd())
-    x, y = dataset(n=96)
-    rec = {}
-    for step in range(3):
-        xb, yb = rows(x, y, ctx, step)
-        t.backward(mse(t(xb), yb), len(xb))
-        t.step_and_record(rec, step)
-    return rec
+    return plain_steps(t, ctx, 3)
 
 
 def undefined_grad(ctx, group):

@@ -9,37 +9,11 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-import torch
-from torch import nn
 
-from tests.helpers import D_IN, D_OUT, dataset, mse
+from tests.engine.sharded_models import Block, Net
+from tests.helpers import dataset, mse
 from tests.parity_helpers import Trainer, failures
 from tests.parity_plan import Spawned, jobs, sgd
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x)) + x
-
-
-class Net(nn.Module):
-    """Root-owned input and head layers around two wrapped blocks."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(8)
-        self.inp = nn.Linear(D_IN, 8)
-        self.blocks = nn.Sequential(Block(8), Block(8))
-        self.head = nn.Linear(8, D_OUT)
-        self.double()
-
-    def forward(self, x):
-        return self.head(self.blocks(torch.tanh(self.inp(x))))
-
 
 # step -> rank -> items of each micro-step (every rank runs as many micro-steps)
 EMPTY_SCHEDULE = [[[5], [3]], [[7], [0]], [[2, 4], [0, 3]], [[0, 0], [4, 2]]]
@@ -53,7 +27,7 @@ def empty_rank(ctx, group, form="forward"):
     docstring promises); ``"skip"``: it calls ``backward(None, num_items=0)``.
     Compared with one process on each step's whole batch.
     """
-    t = Trainer(ctx, Net(), group, sgd(), wrap={Block})
+    t = Trainer(ctx, Net(hidden=8, seed=8), group, sgd(), wrap={Block})
     x, y = dataset(n=96)
     rec, cursor = {}, 0
     for s, step in enumerate(EMPTY_SCHEDULE):

@@ -15,7 +15,17 @@ from torch import nn
 from gradsync.errors import UsageError
 from tests.helpers import D_IN, D_OUT, dataset, mlp, mse
 from tests.parity_helpers import Trainer, failures
-from tests.parity_plan import ALL_KINDS, DP_KINDS, WORLD, Spawned, adamw, jobs, rows, sgd
+from tests.parity_plan import (
+    ALL_KINDS,
+    DP_KINDS,
+    WORLD,
+    Spawned,
+    adamw,
+    jobs,
+    plain_steps,
+    rows,
+    sgd,
+)
 
 # Patterns from torch's own DDP tests (torch/testing/_internal/distributed/
 # distributed_test.py, DistributedTest._DistTestBase, unless another file is named),
@@ -28,13 +38,7 @@ def baseline(ctx, group):
     Also the harness's own check: DDP against one process on the whole batch.
     """
     t = Trainer(ctx, mlp(), group, sgd())
-    x, y = dataset(n=96)
-    rec = {}
-    for step in range(4):
-        xb, yb = rows(x, y, ctx, step, per_rank=6)
-        t.backward(mse(t(xb), yb), len(xb))
-        t.step_and_record(rec, step)
-    return rec
+    return plain_steps(t, ctx, 4, per_rank=6)
 
 
 class SharedBias(nn.Module):
@@ -98,13 +102,7 @@ class CheckpointTwiceShared(nn.Module):
 def used_twice(ctx, group):
     """test_c10d_common.py test_ddp_checkpointing_weight_sharing / _twice_non_static_graph."""
     t = Trainer(ctx, CheckpointTwiceShared(), group, sgd())
-    x, y = dataset(n=96)
-    rec = {}
-    for step in range(3):
-        xb, yb = rows(x, y, ctx, step)
-        t.backward(mse(t(xb), yb), len(xb))
-        t.step_and_record(rec, step)
-    return rec
+    return plain_steps(t, ctx, 3)
 
 
 class ReentrantTwice(nn.Module):
@@ -143,13 +141,7 @@ def reentrant_twice(ctx, group, twice=True):
     unit of its own."""
     t = Trainer(ctx, ReentrantTwice() if twice else ReentrantOnce(), group, adamw(),
                 static_graph=twice, wrap={nn.Sequential})
-    x, y = dataset(n=96)
-    rec = {}
-    for step in range(4):
-        xb, yb = rows(x, y, ctx, step)
-        t.backward(mse(t(xb), yb), len(xb))
-        t.step_and_record(rec, step)
-    return rec
+    return plain_steps(t, ctx, 4)
 
 
 def reentrant_in_root_unit(ctx, group):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 
-import gradsync as gs
 from gradsync.engine.local.fragments import split_parameters
 from tests.engine.diloco_helpers import (
     DP,
@@ -33,7 +32,7 @@ from tests.engine.diloco_helpers import (
     reference_sync_sgd,
     run_diloco,
 )
-from tests.helpers import job_results, max_gap, mlp, run_jobs, same_tensors
+from tests.helpers import SharedSpawn, max_gap, mlp, same_tensors
 
 
 def _jobs(world):
@@ -48,13 +47,11 @@ def _jobs(world):
     return jobs
 
 
-_cache: dict = {}
+SPAWN = SharedSpawn(_jobs, timeout_s=60)
 
 
 def _results(world, name):
-    if world not in _cache:
-        _cache[world] = gs.spawn(run_jobs, world, _jobs(world), timeout_s=60)
-    return job_results(_cache[world], name)
+    return SPAWN.results(name, world)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -36,7 +36,7 @@ from tests.engine.diloco_helpers import (
     reference_local,
     reference_sync_sgd,
 )
-from tests.helpers import dataset, errors_of, job_results, max_gap, mlp, mse, run_jobs
+from tests.helpers import SharedSpawn, dataset, errors_of, max_gap, mlp, mse
 
 WORLD, PER_HOST = 4, 2
 SCHED = flat_schedule(STEPS, WORLD)
@@ -91,17 +91,15 @@ def _bad_input():
                      compressed=lambda: gs.DiLoCo(model, opt, topology=top, compress="int8"))
 
 
-_cache: dict = {}
-
-
 JOBS = {"dp": (_host_run, (DP, SCHED)), "nesterov": (_host_run, (NESTEROV, SCHED)),
         "stream": (_host_run, (STREAM, SCHED)), "bad_input": (_bad_input, ())}
 
 
+SPAWN = SharedSpawn(JOBS, timeout_s=90)
+
+
 def _results(name):
-    if not _cache:
-        _cache["r"] = gs.spawn(run_jobs, WORLD, JOBS, timeout_s=90)
-    return job_results(_cache["r"], name)
+    return SPAWN.results(name, WORLD)
 
 
 def test_h1_per_host_is_synchronous_sgd_on_the_global_batch():

@@ -28,7 +28,7 @@ from tests.engine.diloco_helpers import (
     inner_step,
     run_diloco,
 )
-from tests.helpers import dataset, errors_of, job_results, mlp, run_jobs, same_tensors
+from tests.helpers import SharedSpawn, dataset, errors_of, mlp, same_tensors
 
 
 def _bytes_per_step(cfg, steps):
@@ -107,15 +107,11 @@ JOBS = {"resume": (run_diloco, (RESUME, SCHED[2], STEPS)),
         "bytes/streaming": (_bytes_per_step, (
             {"H": 8, "outer": "local", "F": 4, "tau": 0, "alpha": 0.0}, 16)),
         "buffers": (_buffers_averaged, ()), "bad_input": (_bad_input, ())}
-_cache: dict = {}
+SPAWN = SharedSpawn(JOBS, timeout_s=60)
 
 
 def _results(name):
-    if "r" not in _cache:
-        _cache["r"] = gs.spawn(run_jobs, 2, JOBS, timeout_s=60)
-    res = job_results(_cache["r"], name)
-    assert len(res) == 2
-    return res
+    return SPAWN.results(name, 2)
 
 
 @pytest.mark.parametrize("run", ["resume", "resume_int8", "resume_stream"])

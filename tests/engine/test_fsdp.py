@@ -6,21 +6,19 @@ from torch import nn
 
 import gradsync as gs
 from gradsync.engine.transport import comm
+from tests.engine.sharded_models import Block, Net
 from tests.helpers import (
-    D_IN,
-    D_OUT,
     SHARDED_STEPS,
     SHARDED_TOL,
     ShardOptimizer,
+    SharedSpawn,
     Tied,
     Tiny,
     dataset,
-    job_results,
     max_gap,
     mse,
     optimizer_spec,
     reference_train,
-    run_jobs,
     same_tensors,
     sharded_train,
     uneven_schedule,
@@ -30,28 +28,6 @@ STEPS = SHARDED_STEPS
 TOL = SHARDED_TOL
 
 
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x)) + x
-
-
-class Net(nn.Module):
-    """Root-owned input and head layers around two wrapped blocks."""
-
-    def __init__(self, hidden=10, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.inp = nn.Linear(D_IN, hidden)
-        self.blocks = nn.Sequential(Block(hidden), Block(hidden))
-        self.head = nn.Linear(hidden, D_OUT)
-        self.double()
-
-    def forward(self, x):
-        return self.head(self.blocks(torch.tanh(self.inp(x))))
 
 
 def _fsdp(factory, wrap, kind, schedule, clip=None, collectives="auto", prefetch=1):
@@ -102,13 +78,11 @@ def _jobs(world):
             "tiny/clip": (_both, (Tiny, None, SCHED[3], 0.05))}
 
 
-_cache: dict = {}
+SPAWN = SharedSpawn(_jobs)
 
 
 def _results(world, name):
-    if world not in _cache:
-        _cache[world] = gs.spawn(run_jobs, world, _jobs(world))
-    return job_results(_cache[world], name)
+    return SPAWN.results(name, world)
 
 
 @pytest.mark.parametrize("world", [2, 3])

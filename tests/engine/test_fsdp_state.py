@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from tests.helpers import D_IN, Tied, job_results, mse, run_jobs
+from tests.helpers import D_IN, SharedSpawn, Tied, mse
 
 
 def _bn(seed):
@@ -91,13 +91,11 @@ def _job(name):
 
 
 NAMES = tuple(FACTORIES)
-_cache = {}
+SPAWN = SharedSpawn({n: (_job, (n,)) for n in NAMES}, timeout_s=120)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_consolidated_state_dict_loads_into_shards(name):
-    if not _cache:
-        _cache["r"] = gs.spawn(run_jobs, 3, {n: (_job, (n,)) for n in NAMES}, timeout_s=120)
     sd = _pretrained(name)
     ref = FACTORIES[name](0)
     ref.load_state_dict(sd)
@@ -107,7 +105,7 @@ def test_consolidated_state_dict_loads_into_shards(name):
     mse(ref(x), y).backward()
     opt.step()
     first = next(k for k, v in sd.items() if v.ndim == 2)
-    for out in job_results(_cache["r"], name):
+    for out in SPAWN.results(name, 3):
         assert out["missing"] and "missing" in out["missing"], out
         assert repr(list(sd)[-1]) in out["missing"]
         assert "shape [1, 1] in the state dict" in out["shape"]

@@ -19,19 +19,18 @@ import gradsync as gs
 from gradsync.engine.sharded.checkpoint import load_sharded, save_sharded
 from gradsync.engine.transport import comm
 from gradsync.engine.transport.algorithms import HostTopology
-from tests.engine.test_fsdp import Block, Net
+from tests.engine.sharded_models import Block, Net
 from tests.helpers import (
     SHARDED_TOL,
     ShardOptimizer,
+    SharedSpawn,
     dataset,
     dp_train,
-    job_results,
     job_table,
     max_gap,
     mlp,
     optimizer_spec,
     reference_train,
-    run_jobs,
     same_tensors,
     sharded_train,
     uneven_schedule,
@@ -94,13 +93,11 @@ def _hsdp():
 COLLECTIVES = ("hierarchical", "ring", "tree", "server")
 JOBS = job_table(*[(f"dp/{c}", _dp, (c,)) for c in COLLECTIVES],
                  ("zero2", _zero2, ()), ("hsdp", _hsdp, ()))
-_cache: dict = {}
+SPAWN = SharedSpawn(JOBS)
 
 
 def _results(name):
-    if "r" not in _cache:
-        _cache["r"] = gs.spawn(run_jobs, WORLD, JOBS)
-    return job_results(_cache["r"], name)
+    return SPAWN.results(name, WORLD)
 
 
 @pytest.mark.parametrize("collectives", COLLECTIVES)

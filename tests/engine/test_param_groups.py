@@ -17,7 +17,7 @@ from torch import nn
 
 import gradsync as gs
 from gradsync.errors import UsageError
-from tests.helpers import SHARDED_TOL, job_results, job_table, mse, run_jobs
+from tests.helpers import SHARDED_TOL, SharedSpawn, job_table, mse
 
 STEPS = 4
 WORLD = 2
@@ -92,7 +92,6 @@ def _errors():
 
 
 KINDS = ("dp", "zero1", "zero2", "fsdp")
-_cache = {}
 
 
 JOBS = job_table(*[(f"{k}/all", _train, (k,)) for k in KINDS],
@@ -100,10 +99,11 @@ JOBS = job_table(*[(f"{k}/all", _train, (k,)) for k in KINDS],
                  ("errors", _errors, ()))
 
 
+SPAWN = SharedSpawn(JOBS, timeout_s=120)
+
+
 def _results(name):
-    if not _cache:
-        _cache["r"] = gs.spawn(run_jobs, WORLD, JOBS, timeout_s=120)
-    return job_results(_cache["r"], name)
+    return SPAWN.results(name, WORLD)
 
 
 def _reference(omit=False):

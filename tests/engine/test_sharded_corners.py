@@ -22,7 +22,14 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from tests.helpers import dataset, errors_of, job_results, mlp, mse, run_jobs, same_tensors
+from tests.helpers import (
+    SharedSpawn,
+    dataset,
+    errors_of,
+    mlp,
+    mse,
+    same_tensors,
+)
 
 
 def _clip(target_is_model: bool):
@@ -118,9 +125,6 @@ def _different_setups():
                          wrap={Block} if r == 0 else {nn.Linear}))
 
 
-_cache: dict = {}
-
-
 JOBS = {"clip/model": (_clip, (True,)), "clip/optimizer": (_clip, (False,)),
         "errors": (_errors, ()), "fsdp_weight": (_fsdp_weight_between_steps, ()),
         "different_setups": (_different_setups, ()),
@@ -130,10 +134,11 @@ JOBS = {"clip/model": (_clip, (True,)), "clip/optimizer": (_clip, (False,)),
         "bf16_batchnorm/fsdp": (_bf16_batchnorm, ("fsdp",))}
 
 
+SPAWN = SharedSpawn(JOBS, timeout_s=90)
+
+
 def _results(name):
-    if not _cache:
-        _cache["r"] = gs.spawn(run_jobs, 2, JOBS, timeout_s=90)
-    return job_results(_cache["r"], name)
+    return SPAWN.results(name, 2)
 
 
 def test_clip_through_the_model_is_the_zero_optimizers_clip():

@@ -6,7 +6,7 @@ import torch
 import gradsync as gs
 from gradsync.engine.strategy.exact import default_wrap, memory_report
 from gradsync.engine.strategy.registry import build_strategy
-from tests.engine.test_fsdp import Block, Net
+from tests.engine.sharded_models import Block, Net
 from tests.helpers import dataset, even_schedule, max_gap, mse, reference_train, sharded_train
 
 

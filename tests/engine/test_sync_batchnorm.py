@@ -21,7 +21,7 @@ from torch import nn
 
 import gradsync as gs
 from gradsync.engine.transport import comm
-from tests.helpers import D_IN, D_OUT, job_results, job_table, run_jobs
+from tests.helpers import D_IN, D_OUT, SharedSpawn, job_table
 
 WORLD, C, TOL = 3, 4, 1e-12
 SIZES = {  # samples per rank in each step: uneven, and a rank with none
@@ -224,13 +224,11 @@ def test_one_value_per_channel_over_all_ranks_is_an_error_on_every_rank():
 
 JOBS = job_table(*[(_case_name(*c), module_job, c) for c in CASES],
                  ("data_parallel", dp_job, ()), ("too_few", too_few_job, ()))
-_cache: dict = {}
+SPAWN = SharedSpawn(JOBS)
 
 
 def _results(name):
-    if "spawn" not in _cache:
-        _cache["spawn"] = gs.spawn(run_jobs, WORLD, JOBS)
-    return job_results(_cache["spawn"], name)
+    return SPAWN.results(name, WORLD)
 
 
 # ----------------------------------------------------------------------------- one process

@@ -16,7 +16,7 @@ from torch import nn
 
 import gradsync as gs
 from gradsync.engine.transport import comm
-from tests.helpers import job_results, job_table, max_gap, run_jobs
+from tests.helpers import SharedSpawn, job_table, max_gap
 
 KINDS = ("ddp", "zero2", "zero3")
 
@@ -151,13 +151,11 @@ def _no_param_pass():
 JOBS = job_table(*[(f"sync_batchnorm/{k}", _train, (k,)) for k in KINDS],
                  ("no_param_pass", _no_param_pass, ()),
                  *[(f"nan/{k}", _nan_train, (k,)) for k in KINDS])
-_cache: dict = {}
+SPAWN = SharedSpawn(JOBS)
 
 
 def _results(name):
-    if "r" not in _cache:
-        _cache["r"] = gs.spawn(run_jobs, 2, JOBS)
-    return job_results(_cache["r"], name)
+    return SPAWN.results(name, 2)
 
 
 @pytest.mark.parametrize("kind", KINDS)

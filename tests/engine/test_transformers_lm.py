@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import gradsync as gs
-from tests.helpers import job_results, job_table, run_jobs
+from tests.helpers import SharedSpawn, job_table
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -e '.[dev]')")
@@ -131,13 +131,11 @@ def train(strategy, kind):
 
 RUNS = [(s, k) for s in STRATEGIES for k in ("sgd", "adamw")]
 JOBS = job_table(*[(f"{s}-{k}", train, (s, k)) for s, k in RUNS])
-_cache: dict = {}
+SPAWN = SharedSpawn(JOBS)
 
 
 def _results(name):
-    if "spawn" not in _cache:
-        _cache["spawn"] = gs.spawn(run_jobs, WORLD, JOBS)
-    return job_results(_cache["spawn"], name)
+    return SPAWN.results(name, WORLD)
 
 
 @pytest.mark.parametrize("strategy,kind", RUNS, ids=[f"{s}-{k}" for s, k in RUNS])

@@ -14,22 +14,19 @@ import gradsync as gs
 from tests.helpers import (
     SHARDED_STEPS,
     SHARDED_TOL,
+    SharedSpawn,
     Tied,
     Tiny,
     dataset,
-    job_results,
     job_table,
     max_gap,
     mlp,
     optimizer_spec,
     reference_train,
-    run_jobs,
     same_tensors,
     sharded_train,
     uneven_schedule,
 )
-
-__all__ = ["Tied", "Tiny"]  # tests/engine/test_fsdp.py once imported them from here
 
 STEPS = SHARDED_STEPS
 TOL = SHARDED_TOL
@@ -82,13 +79,11 @@ def _jobs(world):
     return job_table(*entries)
 
 
-_cache: dict = {}
+SPAWN = SharedSpawn(_jobs)
 
 
 def _results(world, name):
-    if world not in _cache:
-        _cache[world] = gs.spawn(run_jobs, world, _jobs(world))
-    return job_results(_cache[world], name)
+    return SPAWN.results(name, world)
 
 
 @pytest.mark.parametrize("stage,world,collectives", EXACT)

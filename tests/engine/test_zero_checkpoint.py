@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import gradsync as gs
 from gradsync.engine.sharded.checkpoint import CheckpointError, load_sharded, save_sharded
-from tests.engine.test_fsdp import Block, Net
+from tests.engine.sharded_models import Block, Net
 from tests.helpers import dataset, max_gap, reference_train, sharded_train
 
 PER_STEP = 12

@@ -13,14 +13,13 @@ import torch
 import gradsync as gs
 from gradsync.engine.transport import comm
 from tests.helpers import (
+    SharedSpawn,
     dataset,
-    job_results,
     max_gap,
     mlp,
     mse,
     optimizer_spec,
     reference_train,
-    run_jobs,
     same_tensors,
     sharded_train,
     uneven_schedule,
@@ -120,13 +119,11 @@ JOBS = {"count/native": (_count, (2, "native")), "count/auto": (_count, (2, "aut
         "bf16/stage1": (_bf16_run, (1, 20)), "bf16/stage2": (_bf16_run, (2, 20)),
         "state_dict": (_state_dict_round_trip, ()),
         "peak/stage1": (_bucket_peak, (1,)), "peak/stage2": (_bucket_peak, (2,))}
-_cache: dict = {}
+SPAWN = SharedSpawn(JOBS)
 
 
 def _results(name):
-    if "r" not in _cache:
-        _cache["r"] = gs.spawn(run_jobs, 2, JOBS)
-    return job_results(_cache["r"], name)
+    return SPAWN.results(name, 2)
 
 
 @pytest.mark.parametrize("collectives,reduce_op,gather_op", [
