@@ -25,3 +25,12 @@ class WorkerFailedError(GradsyncError):
     def __init__(self, message: str, failures: dict[int, str] | None = None):
         super().__init__(message)
         self.failures = dict(failures or {})
+
+
+class StorageError(GradsyncError):
+    """Writing a run's file failed (no space, I/O error, read-only); the message starts with
+    the cause and names the file, and what was there before is intact."""
+
+    def __init__(self, message: str, errno_: int = 0):
+        super().__init__(message)
+        self.errno = errno_

@@ -15,7 +15,6 @@ import logging
 import multiprocessing
 import multiprocessing.forkserver as forkserver
 import os
-import re
 import signal
 import sys
 import threading
@@ -28,14 +27,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, E
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from . import dist as gdist
-from .errors import UsageError, WorkerFailedError
+from . import hang_report
+from .errors import UsageError
+from .failures import SECONDARY, describe_failures, restart_failures
 from .heap import keep_freed_memory
 from .lifeline import die_with
-
-# Failures that are consequences of another rank's failure, not causes.
-_SECONDARY = re.compile(
-    r"Connection (closed|reset)|Broken pipe|ECONNRESET|Timed out|timed out|DistBackendError|"
-    r"peer|SIGTERM|Signal 15", re.IGNORECASE)
 
 _ECHO_GRACE_S = 3.0
 _preloaded = False
@@ -79,7 +75,7 @@ def _record_and_die(exc: BaseException) -> None:
     collectives fail only when this process is gone, so the agent always sees
     the root cause exit first and names the right rank.
     """
-    if not isinstance(exc, KeyboardInterrupt) and _SECONDARY.search(f"{type(exc).__name__}: {exc}"):
+    if not isinstance(exc, KeyboardInterrupt) and SECONDARY.search(f"{type(exc).__name__}: {exc}"):
         # A peer's death surfaced here as a broken connection. Give the agent time
         # to see the peer exit first, so the report names the cause, not the echo.
         # (Not after SIGTERM/Ctrl-C: the agent is already stopping everyone, and a
@@ -128,47 +124,46 @@ def _worker_entry(fn: Callable, backend: str | None, timeout_s: float | None,
     return result
 
 
-def _failure_text(failure) -> str:
-    msg = failure.message
-    if isinstance(msg, dict):
-        text = msg.get("message", "")
-        stack = msg.get("extraInfo", {}).get("py_callstack", "")
-        return text + (f"\n{stack}" if stack and text not in ("", stack) else "")
-    if failure.exitcode < 0:
-        return f"killed by signal {failure.signal_name()}"
-    if failure.exitcode == gdist.CONNECT_EXIT_CODE:
-        return "could not connect to its peers: process-group set-up timed out"
-    if not msg or "enable traceback" in msg:
-        return f"exited with code {failure.exitcode} without raising a Python exception"
-    return str(msg)
+@contextlib.contextmanager
+def _watch_restarts(on_restart: Callable[[list[dict]], None] | None):
+    """Tell ``on_restart`` which workers failed, before the agent restarts them.
 
+    torch's agent keeps a failed attempt's record to itself and only says "restart"
+    in its log. For the duration of one launch, the agent class the launcher builds
+    is a subclass that keeps the failures it saw and hands them over when the next
+    attempt's workers start (every worker of the failed attempt is stopped by then,
+    so the callback may write where they wrote). Restored on the way out.
+    """
+    if on_restart is None:
+        yield
+        return
+    import torch.distributed.launcher.api as launcher_api
 
-def _summary_line(text: str) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    for ln in lines:
-        if not ln.startswith((" ", "Traceback")):
-            return ln.strip()
-    return lines[-1].strip() if lines else "unknown error"
+    base = launcher_api.LocalElasticAgent
 
+    class RecordingAgent(base):
+        _gradsync_failed = None
 
-def describe_failures(err: ChildFailedError) -> WorkerFailedError:
-    """Turn elastic's failure record into one error naming the root-cause rank."""
-    texts = {rank: _failure_text(f) for rank, f in err.failures.items()}
-    stamps = {rank: f.timestamp for rank, f in err.failures.items()}
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.failures:
+                self._gradsync_failed = result.failures
+            return result
 
-    def key(rank):
-        secondary = bool(_SECONDARY.search(_summary_line(texts[rank])))
-        return (secondary, stamps[rank], rank)
+        def _start_workers(self, worker_group):
+            failed, self._gradsync_failed = self._gradsync_failed, None
+            if failed:
+                try:
+                    on_restart(restart_failures(failed))
+                except Exception as e:  # noqa: BLE001 - a note must not stop the restart
+                    print(f"gradsync: could not record the restart: {e}", file=sys.stderr)
+            return super()._start_workers(worker_group)
 
-    ordered = sorted(texts, key=key)
-    root = ordered[0]
-    lines = [f"worker rank {root} failed: {_summary_line(texts[root])}"]
-    others = [r for r in ordered[1:]]
-    if others:
-        lines.append("also failed: " + "; ".join(
-            f"rank {r}: {_summary_line(texts[r])}" for r in others))
-    lines.append(f"--- rank {root} ---\n{texts[root].rstrip()}")
-    return WorkerFailedError("\n".join(lines), texts)
+    launcher_api.LocalElasticAgent = RecordingAgent
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = base
 
 
 @contextlib.contextmanager
@@ -211,13 +206,16 @@ def _restore_signal_handlers():
 def launch(fn: Callable, nproc: int, args: tuple = (), *, backend: str | None = None,
            timeout_s: float | None = None, threads: int = 1,
            rdzv_endpoint: str = "localhost:0", nnodes: int = 1, run_id: str | None = None,
-           quiet: bool = True, max_restarts: int = 0) -> dict[int, object]:
+           quiet: bool = True, max_restarts: int = 0,
+           on_restart: Callable[[list[dict]], None] | None = None) -> dict[int, object]:
     """Run ``fn(*args)`` on ``nproc`` local workers (of ``nnodes`` nodes) with the group set up.
 
     Returns ``{global rank: return value}`` for this node's workers. With
     ``max_restarts`` the agent restarts every worker after a failure, up to that
     many times (``fn`` must then continue from what it saved, as
-    ``gradsync train`` does); the error names the last attempt's failure.
+    ``gradsync train`` does); the error names the last attempt's failure, and
+    ``on_restart`` (in this process) receives each restarted attempt's failures
+    (:func:`restart_failures`) before the new workers start.
     """
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise UsageError(f"number of worker processes must be an integer >= 1, got {nproc!r}")
@@ -230,12 +228,12 @@ def launch(fn: Callable, nproc: int, args: tuple = (), *, backend: str | None = 
         max_restarts=max_restarts, monitor_interval=0.05, start_method="forkserver",
     )
     quiet_ctx = _quiet_elastic() if quiet else contextlib.nullcontext()
-    with quiet_ctx, _restore_signal_handlers():
+    with quiet_ctx, _restore_signal_handlers(), _watch_restarts(on_restart):
         try:
             return elastic_launch(config, _worker_entry)(fn, backend, timeout_s, threads, args,
                                                          _caller_environment(), os.getpid())
         except ChildFailedError as err:
-            raise describe_failures(err) from None
+            raise hang_report.attach(describe_failures(err), config.run_id) from None
 
 
 def spawn(fn: Callable, world_size: int, *args, backend: str | None = None,

@@ -5,18 +5,33 @@
 so a field renamed on one side cannot silently vanish on the other. Torch-free:
 the report and the planner import it without pulling in the engine.
 
-JSON written here is always valid JSON: a NaN or infinite float (a diverged
-loss, a step time that was never measured) is written as ``null``, because
-Python's ``json`` would otherwise emit the bare token ``NaN`` that other readers
-(browsers, ``jq``) refuse.
+How the files are written and read (atomically, whole lines only, tolerantly):
+:mod:`gradsync.runfiles`. JSON written there is always valid JSON: a NaN or
+infinite float (a diverged loss, a step time never measured) is written as
+``null``, because Python's ``json`` would otherwise emit the bare token ``NaN``
+that other readers (browsers, ``jq``) refuse.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
 from dataclasses import asdict, dataclass, field, fields
+
+from .runfiles import (  # noqa: F401 - the writing and reading, re-exported for callers
+    TMP_PREFIX,
+    MetricsFile,
+    MetricsWriter,
+    clean,
+    dumps,
+    read_json,
+    read_json_checked,
+    read_metrics,
+    read_metrics_file,
+    rewrite_metrics,
+    truncate_metrics,
+    write_bytes,
+    write_json,
+    write_text,
+)
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -29,103 +44,6 @@ SHARDS = "checkpoint-shards"
 LOCK = "gradsync.lock"
 REPORT = "report.html"
 BASELINE = "baseline"
-TMP_PREFIX = ".tmp-"
-
-
-def clean(obj):
-    """``obj`` with every non-finite float replaced by None (recursively)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [clean(v) for v in obj]
-    return obj
-
-
-def dumps(obj, indent: int | None = None) -> str:
-    return json.dumps(clean(obj), indent=indent, allow_nan=False)
-
-
-def write_json(path: str, obj, indent: int = 2) -> None:
-    """Write ``obj`` as valid JSON, atomically (readers see the old file or the new)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(dumps(obj, indent=indent))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def read_json(path: str):
-    """The parsed file; None if absent; False if present but unreadable."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return False
-
-
-def read_metrics(path: str) -> tuple[list[dict], int]:
-    """(records, torn lines skipped); torn = -1 when the file does not exist."""
-    rows, bad = [], 0
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    bad += 1
-    except FileNotFoundError:
-        return [], -1
-    return rows, bad
-
-
-def truncate_metrics(path: str, last_step: int) -> int:
-    """Keep the records of steps ``<= last_step`` (a resume continues from there).
-
-    Steps after the checkpoint were computed by an attempt whose state was lost;
-    the resumed run computes them again, so keeping both would show every such
-    step twice and draw curves that loop backwards. Torn lines go too. Returns
-    the number of records removed. Atomic: a crash leaves the old file or the new.
-    """
-    rows, bad = read_metrics(path)
-    if bad == -1:
-        return 0
-    keep = [r for r in rows if isinstance(r.get("step"), int) and r["step"] <= last_step]
-    removed = len(rows) - len(keep)
-    if removed == 0 and bad == 0:
-        return 0
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in keep:
-            f.write(dumps(r) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return removed
-
-
-class MetricsWriter:
-    """Appends one StepRecord per line to ``metrics.jsonl`` (line-buffered: a crash
-    loses at most the line being written, which readers skip as torn)."""
-
-    def __init__(self, path: str):
-        self._f = open(path, "a", buffering=1, encoding="utf-8")
-
-    def write(self, record: StepRecord | dict) -> None:
-        rec = record.to_json() if isinstance(record, StepRecord) else record
-        self._f.write(dumps(rec) + "\n")
-
-    def close(self) -> None:
-        self._f.close()
 
 
 def _drop_none(d: dict, keep: tuple[str, ...]) -> dict:
@@ -165,6 +83,9 @@ class StepRecord:
     sent_bytes: int | None = None  # this rank on the wire, when the strategy counts it
     grad_cosine: float | None = None  # compressed vs exact gradient, on probed steps
     grad_rel_error: float | None = None
+    share_by_rank: list[int] = field(default_factory=list)  # samples each rank took
+    busy_s_by_rank: list[float] = field(default_factory=list)  # compute: step minus blocked
+    balance_saved_s: float | None = None  # vs the even split, from this step's rates
 
     def to_json(self) -> dict:
         return _drop_none(asdict(self), keep=("loss", "grad_norm"))

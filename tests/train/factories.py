@@ -121,6 +121,25 @@ def slow64() -> nn.Module:
     return _Slow()
 
 
+class _PerSample(nn.Module):
+    """tiny64 whose forward takes 2 ms per sample (``$GRADSYNC_TEST_SAMPLE_S``): compute
+    that grows with the share, as a real model's does, so a smaller share is faster."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = tiny64()
+
+    def forward(self, x):
+        import time
+
+        time.sleep(float(os.environ.get("GRADSYNC_TEST_SAMPLE_S", "0.002")) * len(x))
+        return self.net(x)
+
+
+def per_sample64() -> nn.Module:
+    return _PerSample()
+
+
 VOCAB, SEQ = 11, 6
 PADDED_N = 24
 

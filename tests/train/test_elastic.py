@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradsync.rundir import METRICS, read_metrics
+from gradsync.rundir import METRICS, read_metrics, read_metrics_file
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -96,6 +96,15 @@ def test_three_kills_under_torchrun_end_bit_identical(tmp_path, straight):
     steps = [m["step"] for m in read_metrics(str(chaos / METRICS))[0]]
     assert steps == list(range(1, 11))  # no step twice, none missing
     assert not list(chaos.glob(".tmp-*"))
+    # each restart is seen (issue 23): a line and a record, the step it continued from
+    restarts = read_metrics_file(str(chaos / METRICS)).events
+    assert [(e["attempt"], e["step"]) for e in restarts] == [(1, 2), (2, 2), (3, 6)], restarts
+    for n, step in ((1, 2), (2, 2), (3, 6)):
+        assert f"gradsync train: restart {n}: the launcher restarted the workers" in text
+        assert f"continuing from step {step}" in text
+    # the ranks that lose a peer say so in one line each: no gloo traceback, no atexit noise
+    assert "Traceback" not in text and "Exception ignored" not in text, text[-4000:]
+    assert "stopped: another worker failed (Connection reset" in text
 
     recovery, resumed = [], []  # kill -> restarted workers resumed -> next step completed
     for t_kill, kind in kills:
@@ -124,3 +133,11 @@ def test_gradsync_train_max_restarts_continues_after_a_kill(tmp_path, straight):
     assert b["step"] == 10 and b["world_sizes"] == [2]
     assert _differing(straight["model"], b["model"]) == []
     assert [m["step"] for m in read_metrics(str(out / METRICS))[0]] == list(range(1, 11))
+    # the restart is seen (issue 23): which rank died, how, when, the step continued from
+    assert re.search(r"gradsync train: restart 1 of 1: worker rank 1 was killed by signal SIGKILL "
+                     r"at \d\d:\d\d:\d\d during step 5; continuing from step 4", r.stdout), r.stdout
+    (event,) = read_metrics_file(str(out / METRICS)).events
+    assert event["event"] == "restart" and event["step"] == 4 and event["attempt"] == 1
+    assert event["failed"][0]["rank"] == 1 and event["failed"][0]["signal"] == "SIGKILL"
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert not (out / "restart.json").exists()

@@ -3,8 +3,9 @@
 Real files, real mounts: a flipped byte inside a checkpoint's tensor data, a
 learning rate that diverges to NaN, a NaN skipped on every rank, ``--out`` that
 is a file, a read-only file system (a tmpfs mounted ``ro``: root ignores mode
-bits, not a read-only mount), a full one (a 3 MiB tmpfs: the first checkpoint
-fits, the second does not), a second run on a locked directory and a stale lock.
+bits, not a read-only mount), a full one (a 3 MiB tmpfs the preflight is told has
+room: the first checkpoint fits, the second does not), a second run on a locked
+directory and a stale lock.
 Each gives its one-line message and exit code, and the last good checkpoint
 stays as it was. Mount tests skip, with the reason, where mounting is not allowed.
 """
@@ -21,6 +22,8 @@ import pytest
 import torch
 
 import gradsync as gs
+from gradsync.cli import main as cli_main
+from gradsync.train import guard
 from gradsync.train.checkpoint import verify
 from gradsync.train.guard import RunLock, check_run_dir
 
@@ -151,14 +154,22 @@ def test_read_only_out_is_refused_before_any_worker_starts(tmp_path):
         assert (out / "checkpoint.pt").read_bytes() == before
 
 
-def test_full_disk_says_so_first_and_keeps_the_previous_checkpoint(tmp_path):
+def test_full_disk_says_so_first_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch,
+                                                                   capfd):
     wide = ["--model", "tests.train.factories:wide32"]
     with tmpfs(tmp_path / "small", "size=3m") as mnt:
         out = mnt / "run"
-        r = run_cli(*TINY, *wide, "--steps", "4", "--checkpoint-every", "2", "--out", str(out))
-        assert r.returncode == 1, r.stderr[-3000:]
-        assert error_line(r).startswith("gradsync train: error: no space left on device while "
-                                         "writing the checkpoint")
+        # the preflight refuses this disk (a ~2 MiB save beside the previous one needs ~4 MiB);
+        # told it has room, the launcher starts the run and its second save meets the full disk
+        monkeypatch.setattr(guard, "free_space", lambda path: 1 << 40)
+        code = cli_main(["train", *TINY, *wide, "--steps", "4", "--checkpoint-every", "2",
+                         "--out", str(out)])
+        monkeypatch.undo()
+        err = capfd.readouterr().err
+        assert code == 1, err[-3000:]
+        first = next(ln for ln in err.splitlines() if ln.startswith("gradsync train: error:"))
+        assert first.startswith("gradsync train: error: no space left on device while "
+                                "writing the checkpoint"), first
         ckpt = out / "checkpoint.pt"
         verify(str(ckpt))
         assert torch.load(ckpt, weights_only=False)["step"] == 2

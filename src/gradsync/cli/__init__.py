@@ -3,16 +3,19 @@
 A subcommand module exposes ``register(subparsers) -> argparse.ArgumentParser`` and
 sets ``run`` as the parser default: ``run(args) -> int`` returns the exit code.
 Bad input raises :class:`gradsync.errors.UsageError`; it is printed as one line
-and the exit code is 2, like argparse's own errors.
+and the exit code is 2, like argparse's own errors. A file that cannot be written
+(a full disk, an I/O error) raises :class:`gradsync.errors.StorageError`: one line
+naming the file and the command to run again, exit code 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 
-from ..errors import UsageError
+from ..errors import StorageError, UsageError
 
 # (module name under gradsync.cli, help line). Adding a command is one line here.
 COMMANDS: list[tuple[str, str]] = [
@@ -54,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"gradsync {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except StorageError as e:
+        again = shlex.join(sys.argv[1:] if argv is None else argv)
+        print(f"gradsync {args.command}: error: {e}; once that is fixed, run again: "
+              f"gradsync {again}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"gradsync {args.command}: interrupted", file=sys.stderr)
         return 130

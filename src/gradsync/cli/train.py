@@ -48,25 +48,39 @@ def register(sub, help_line: str) -> argparse.ArgumentParser:
     return p
 
 
-def continue_command(cfg) -> str:
-    """The command line that continues this run (the same one; resume is automatic)."""
+def continue_command(cfg, workers: int | None = None) -> str:
+    """The command line that continues this run (the same one; resume is automatic),
+    with ``--workers`` set to ``workers`` when given."""
     argv = sys.argv[1:]
+    new = ["--workers", str(workers)] if workers else []
     if argv[:1] != ["train"]:
-        return f"gradsync train --out {shlex.quote(cfg.out)}"
+        return shlex.join(["gradsync", "train", "--out", cfg.out, *new])
     keep, skip = [], False
     for i, a in enumerate(argv):
         if skip:
             skip = False
             continue
-        if a in ("--resume=never", "--resume=auto"):
+        if a in ("--resume=never", "--resume=auto") or (new and a.startswith("--workers=")):
             continue
-        if a == "--resume" and i + 1 < len(argv) and argv[i + 1] in ("never", "auto"):
+        if ((a == "--resume" and i + 1 < len(argv) and argv[i + 1] in ("never", "auto"))
+                or (new and a == "--workers")):
             skip = True
             continue
         keep.append(a)
     if "--out" not in keep and not any(a.startswith("--out=") for a in keep):
         keep += ["--out", cfg.out]
-    return "gradsync " + shlex.join(keep)
+    return "gradsync " + shlex.join(keep + new)
+
+
+def _check_local_sync_world(cfg, plan) -> None:
+    """A DiLoCo run continues on the number of workers that wrote it: say so before launch,
+    with the command that continues it."""
+    was = plan.was_world
+    if plan.action != "resume" or cfg.sync == "exact" or not was or was == cfg.workers:
+        return
+    raise UsageError(f"{cfg.out} holds a --sync {cfg.sync} run of {was} workers, which continues "
+                     f"on {was} only (between syncs every worker holds its own replica and inner "
+                     f"optimizer state); continue it with: {continue_command(cfg, was)}")
 
 
 def _where(cfg, failed: bool = False) -> str:
@@ -77,9 +91,9 @@ def _where(cfg, failed: bool = False) -> str:
 
     ckpt = os.path.join(cfg.out, CHECKPOINT)
     try:
-        header = read_header(ckpt)
-    except UsageError:
-        header = None
+        header = read_header(ckpt)  # verified: a damaged one is not offered as a step
+    except UsageError as e:
+        return f"no usable checkpoint to continue from: {e}"
     fixed = "once the cause is fixed, " if failed else ""
     if header is None:
         return f"no checkpoint had been written yet; {fixed}the same command starts again"
@@ -127,7 +141,8 @@ def _run_baseline(cfg, model_fn=None, data_fn=None) -> None:
 def _report_failure(cfg, err: WorkerFailedError) -> None:
     import re
 
-    first = str(err).splitlines()[0]
+    # the line naming the root cause (a hang report may come before it)
+    first = next((ln for ln in str(err).splitlines() if ln.startswith("worker rank ")), "")
     m = re.match(r"worker rank (\d+) failed: (\w+): (.*)", first)
     if m and m.group(2) in _PLAIN:
         print(f"gradsync train: error: {m.group(3)} (worker rank {m.group(1)})", file=sys.stderr)
@@ -140,7 +155,7 @@ def run(args) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
 
     from ..rundir import METRICS
-    from ..train.api import launch_workers, preflight, usage_error_of
+    from ..train.api import launch_workers, preflight, repair_summary, usage_error_of
     from ..train.config import from_args
     from ..train.faults import FaultInjector
     from ..train.instrument import write_report_safely
@@ -149,11 +164,13 @@ def run(args) -> int:
     faults = FaultInjector.from_env()  # the edge: the loop only ever sees the object
     plan, lock = preflight(cfg)
     try:
+        _check_local_sync_world(cfg, plan)
         if lock.note():
             print(f"gradsync train: {lock.note()}")
         if plan.action == "finished":
             print(f"gradsync train: {cfg.out} already finished (step {plan.step} of "
                   f"{cfg.steps}); nothing to do. Pass a larger --steps to train further.")
+            repair_summary(cfg.out)
             return 0
         how = (f"continuing from step {plan.step}, checkpointed by {plan.was_world} workers"
                if plan.action == "resume" else "new run")

@@ -20,7 +20,7 @@ import json
 import os
 
 from ..engine.transport.tracing import Tracer
-from ..rundir import TRACE
+from ..rundir import TRACE, write_text
 
 COMPUTE_TID = 0
 TRACE_FILE = TRACE  # the run directory's name for it (gradsync.rundir)
@@ -88,8 +88,5 @@ def chrome_trace(payloads: list[dict]) -> dict:
 def write_trace(path: str, payloads: list[dict]) -> str:
     """Write the merged trace atomically; returns the path."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(chrome_trace(payloads), f)
-    os.replace(tmp, path)
+    write_text(path, json.dumps(chrome_trace(payloads)), "the trace")
     return path

@@ -14,6 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .balance_view import balance_figure  # noqa: E402
 from .run_data import RunData  # noqa: E402
 from .timeline import StepTimeline  # noqa: E402
 
@@ -183,6 +184,7 @@ def make_figures(run: RunData, measured: StepTimeline | None,
     for name, png in (("loss.png", loss_figure(run)),
                       ("throughput.png", throughput_figure(run)),
                       ("step_breakdown.png", breakdown_figure(run)),
+                      ("balance.png", balance_figure(run, _png)),
                       ("communication.png", communication_figure(run)),
                       ("timeline.png", timeline_figure(measured, predicted)),
                       ("memory.png", memory_figure(run))):

@@ -12,6 +12,7 @@ from ..plan.memory import MemoryPlan
 from ..plan.simulate import StepResult, Sweep
 from ..plan.two_level import ALGORITHMS, TwoLevelPlan
 from ..plan.units import fmt_bytes
+from ..rundir import write_bytes
 
 
 def _plt():
@@ -26,10 +27,13 @@ def _plt():
 
 
 def _save(fig, path: str) -> None:
+    """Rendered in memory, then written atomically (StorageError names the file)."""
+    import io
+
     try:
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-    except OSError as e:
-        raise UsageError(f"cannot write {path}: {e.strerror}") from None
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+        write_bytes(path, buf.getvalue(), "the plot")
     finally:
         fig.clf()
         import matplotlib.pyplot as plt

@@ -17,7 +17,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from ..rundir import REPORT, sync_description
+from ..rundir import REPORT, sync_description, write_bytes, write_text
+from .balance_view import CAPTION as BALANCE_CAPTION
+from .balance_view import balance_rows
 from .figures import make_figures
 from .run_data import RunData, load_run
 from .timeline import StepTimeline, measured_step, predicted_step
@@ -31,6 +33,7 @@ CAPTIONS = {
     "step_breakdown.png": "Rank 0's step time split into compute (communication hidden "
                           "behind backward counts here) and exposed communication: time blocked "
                           "waiting on collectives.",
+    "balance.png": BALANCE_CAPTION,
     "timeline.png": "One traced step, every rank, next to the simulator's prediction for the "
                     "same bucket plan (when the planner is installed).",
     "memory.png": "Peak memory per rank over the run.",
@@ -87,7 +90,8 @@ def _key_numbers(run: RunData) -> list[tuple[str, str]]:
     workers = str(c.get("world_size", "?"))
     if len(sizes) > 1:
         workers += f" (over the run: {' -> '.join(map(str, sizes))})"
-    rows = [("status", "finished" if run.finished else "did not finish"),
+    rebuilt = " (summary.json rebuilt from metrics)" if s.get("rebuilt") else ""
+    rows = [("status", ("finished" + rebuilt) if run.finished else "did not finish"),
             ("model / data", f"{c.get('model', '?')} / {c.get('data', '?')}"),
             ("strategy / precision / optimizer",
              f"{c.get('strategy', 'ddp')} / {c.get('precision', 'fp32')} / "
@@ -112,6 +116,13 @@ def _key_numbers(run: RunData) -> list[tuple[str, str]]:
         rows.append(("steps skipped (NaN/inf)", ", ".join(map(str, skipped))))
     if s.get("resumed_from"):
         rows.append(("resumed from step", str(s["resumed_from"])))
+    for e in (e for e in run.events if e.get("event") == "restart"):
+        failed = e.get("failed") or [{}]
+        who = (f"rank {failed[0]['rank']} {failed[0].get('how', 'failed')}" if "rank" in failed[0]
+               else "workers restarted")
+        rows.append((f"restart {e.get('attempt', '?')}",
+                     f"{who}; continued from step {e.get('step', '?')}"))
+    rows += balance_rows(run)
     eff = s.get("scaling_efficiency") or med("scaling_efficiency")
     rows.append(("scaling efficiency vs 1 worker",
                  f"{eff:.0%}" if eff else "no baseline (run gradsync train --baseline)"))
@@ -221,15 +232,11 @@ def write_report(run_dir: str) -> ReportResult:
                                "no predicted timeline")
     figures = make_figures(run, measured, predicted)
     pngs = []
-    for name, png in figures.items():
+    for name, png in figures.items():  # each atomic: a full disk leaves the old figure
         path = os.path.join(run_dir, name)
-        with open(path, "wb") as f:
-            f.write(png)
+        write_bytes(path, png, "a figure of the report")
         pngs.append(path)
     page = render_page(run, figures, [t for t in (measured, predicted) if t], missing)
     out = os.path.join(run_dir, REPORT)
-    tmp = out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(page)
-    os.replace(tmp, out)
+    write_text(out, page, "the report")
     return ReportResult(out, pngs, missing)

@@ -16,8 +16,19 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
-from ..rundir import BASELINE, CONFIG, DRIFT, METRICS, PLAN, SUMMARY, TRACE, read_json
-from ..rundir import read_metrics as _read_metrics
+from ..rundir import (
+    BASELINE,
+    CONFIG,
+    DRIFT,
+    METRICS,
+    PLAN,
+    SUMMARY,
+    TRACE,
+    read_json,
+    read_json_checked,
+    read_metrics_file,
+    write_json,
+)
 
 
 @dataclass
@@ -31,6 +42,7 @@ class RunData:
     plan: dict | None = None
     baseline: dict | None = None
     missing: list[str] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)  # restarts, from metrics.jsonl
 
     @property
     def finished(self) -> bool:
@@ -76,14 +88,15 @@ def load_run(path: str) -> RunData:
     else:
         run.missing.append(f"{CONFIG} ({'unreadable' if cfg is False else 'absent'}): "
                            "run settings unknown")
-    run.metrics, bad = _read_metrics(os.path.join(path, METRICS))
-    if bad == -1 or not run.metrics:
+    m = read_metrics_file(os.path.join(path, METRICS))
+    run.metrics, run.events = m.records, m.events
+    if not run.metrics:
         run.missing.append(f"{METRICS}: no step finished, so no curves")
-    elif bad:
-        run.missing.append(f"{METRICS}: {bad} torn line(s) skipped (the run stopped mid-write)")
+    if m.dropped:
+        run.missing.append(f"{METRICS}: {len(m.dropped)} damaged line(s) skipped "
+                           f"({'; '.join(m.dropped[:3])})")
+    _load_summary(run)
     for attr, name, cost in (
-        ("summary", SUMMARY, "the run did not finish (cut off or failed); figures show the "
-                             "steps that completed"),
         ("trace", TRACE, "no traced step (run with --trace): no measured timeline"),
         ("drift", DRIFT, "no drift check ran (--drift-every 0, or the run stopped first)"),
         ("plan", PLAN, "bucket plan unknown: no prediction to compare with"),
@@ -97,7 +110,73 @@ def load_run(path: str) -> RunData:
     base = _read_json(os.path.join(path, BASELINE, SUMMARY))
     run.baseline = base if isinstance(base, dict) else None
     steps = run.config.get("steps")
-    if run.summary is None and steps and run.metrics:
+    if run.summary is None and steps and run.metrics and not _reached_end(run):
         run.missing.insert(0, f"the run stopped after step {run.metrics[-1].get('step')} of "
                               f"{steps}")
     return run
+
+
+def _reached_end(run: RunData) -> bool:
+    steps = run.config.get("steps")
+    return bool(steps and run.metrics and run.metrics[-1].get("step") == steps)
+
+
+def _load_summary(run: RunData) -> None:
+    """summary.json, or -- when it is corrupt or lost and metrics.jsonl shows the last step
+    done -- one rebuilt from metrics.jsonl and config.json, with a line saying so."""
+    value, why = read_json_checked(os.path.join(run.path, SUMMARY))
+    if isinstance(value, dict):
+        run.summary = value
+        return
+    why = why or ("absent" if value is None else "corrupt (not a JSON object)")
+    steps, last = run.config.get("steps"), run.metrics[-1].get("step") if run.metrics else 0
+    if _reached_end(run):
+        run.summary = summary_from_metrics(run)
+        run.missing.append(
+            f"{SUMMARY} is {why}, but the run finished (metrics.jsonl reaches step {last} of "
+            f"{steps}): this report rebuilt it from metrics.jsonl and config.json (the memory "
+            "table and wall times it held are lost); `gradsync train` with the run's flags "
+            "rewrites it")
+    else:
+        run.missing.append(f"{SUMMARY} ({why}): the run did not finish (cut off or failed); "
+                           "figures show the steps that completed")
+
+
+def summary_from_metrics(run: RunData) -> dict:
+    """What summary.json said that metrics.jsonl and config.json still tell (``rebuilt``)."""
+    c, m = run.config, run.metrics
+    times = sorted(r["step_time_s"] for r in m[min(3, len(m) - 1):]
+                   if isinstance(r.get("step_time_s"), (int, float)))
+    median = times[len(times) // 2] if times else None
+    evals = [r["eval_loss"] for r in m if r.get("eval_loss") is not None]
+    drift = read_json(os.path.join(run.path, DRIFT))
+    return {
+        "model": c.get("model"), "data": c.get("data"), "strategy": c.get("strategy"),
+        "precision": c.get("precision"), "optimizer": c.get("optimizer"),
+        "seed": c.get("seed"), "steps": c.get("steps"), "world_size": c.get("world_size"),
+        "accumulation": c.get("accumulation"), "global_batch": c.get("global_batch"),
+        "micro_batch": c.get("micro_batch"), "final_loss": m[-1].get("loss"),
+        "final_eval_loss": evals[-1] if evals else None,
+        "resumed_from": max((e.get("step", 0) for e in run.events), default=0),
+        "world_sizes": c.get("world_sizes"), "median_step_s": median,
+        "samples_per_s": c["global_batch"] / median if median and c.get("global_batch") else None,
+        "skipped_steps": [r["step"] for r in m if r.get("skipped")],
+        "drift": drift if isinstance(drift, dict) else None,
+        "rebuilt": f"from {METRICS} and {CONFIG}",
+    }
+
+
+def repair_summary(path: str) -> str | None:
+    """A finished run's summary.json, rewritten from its metrics if it is corrupt or lost;
+    returns a line saying so (None: nothing to repair)."""
+    value, why = read_json_checked(os.path.join(path, SUMMARY))
+    if isinstance(value, dict) or not os.path.exists(os.path.join(path, METRICS)):
+        return None
+    run = RunData(path, config=read_json(os.path.join(path, CONFIG)) or {})
+    m = read_metrics_file(os.path.join(path, METRICS))
+    run.metrics, run.events = m.records, m.events
+    if not isinstance(run.config, dict) or not _reached_end(run):
+        return None
+    write_json(os.path.join(path, SUMMARY), summary_from_metrics(run))
+    return (f"{SUMMARY} was {why or 'absent'}; rewrote it from {METRICS} and {CONFIG} "
+            "(without the memory table and wall times)")

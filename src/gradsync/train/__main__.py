@@ -30,12 +30,33 @@ def _continue_hint(out: str) -> str:
     from .checkpoint import read_header
 
     try:
-        header = read_header(os.path.join(out, CHECKPOINT))
-    except UsageError:
-        header = None
+        header = read_header(os.path.join(out, CHECKPOINT))  # verified, never "step None"
+    except UsageError as e:
+        return f"gradsync.train: no usable checkpoint to continue from: {e}"
     where = f"from step {header['step']}" if header else "from the start (no checkpoint yet)"
     return (f"gradsync.train: run the same torchrun command again to continue {where}: "
             "resuming is automatic")
+
+
+def _restarts_left() -> int:
+    """How many more times torchrun's agent will restart this worker group."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - gdist.restart_count()
+    except ValueError:
+        return 0
+
+
+def _lost_a_peer(e: BaseException) -> str | None:
+    """One line for a rank that failed only because another one died (gloo's connection
+    errors and their 30-line tracebacks say nothing about the cause), else None."""
+    from ..failures import SECONDARY
+
+    m = SECONDARY.search(f"{type(e).__name__}: {e}")
+    if m is None:
+        return None
+    then = ("torchrun restarts the workers from the last checkpoint" if _restarts_left() > 0
+            else "torchrun's log names the worker that failed first")
+    return f"stopped: another worker failed ({m.group(0)}); {then}"
 
 
 def main(argv=None) -> int:
@@ -61,15 +82,19 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"gradsync.train (rank {rank}): error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # the agent stops the group with SIGTERM
+    except KeyboardInterrupt as e:  # the agent stops the group with SIGTERM
+        print(f"gradsync.train (rank {rank}): stopped ({e or 'interrupted'})", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - said once, with the way to continue
+        echo = None if isinstance(e, GradsyncError) else _lost_a_peer(e)
         if isinstance(e, GradsyncError):  # its message says it all: no traceback
             print(f"gradsync.train (rank {rank}): error: {type(e).__name__}: {e}",
                   file=sys.stderr)
+        elif echo:
+            print(f"gradsync.train (rank {rank}): {echo}", file=sys.stderr)
         else:
             traceback.print_exc()
-        if rank == "0" and cfg is not None:
+        if rank == "0" and cfg is not None and not (echo and _restarts_left() > 0):
             print(_continue_hint(cfg.out), file=sys.stderr)
         return 1
     finally:
@@ -78,4 +103,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except KeyboardInterrupt:  # a second SIGTERM while shutting down: already said
+        code = 130
+    sys.exit(code)

@@ -29,11 +29,12 @@ from ..errors import UsageError, WorkerFailedError
 from ..factory import check_factory, factory_name, is_factory_spec
 from ..rundir import CHECKPOINT
 from . import state
-from .checkpoint import read_header, verify
+from .checkpoint import read_header
 from .config import DATASETS, TrainConfig
 from .faults import FaultInjector
 from .guard import RunLock, check_run_dir
-from .task import builtin_data, estimate_checkpoint_bytes
+from .save_size import space_needed
+from .task import builtin_data
 
 ONE_LINE_ERRORS = ("UsageError", "CheckpointCorrupt", "CheckpointError")
 """Worker errors that are the user's to fix: the launcher says them in one line, exit 2."""
@@ -66,17 +67,27 @@ def preflight(cfg: TrainConfig, model_fn=None) -> tuple[state.ResumePlan, RunLoc
     if cfg.port:
         _check_port_free(cfg.port)
     created = not os.path.exists(cfg.out)
-    check_run_dir(cfg.out, estimate_checkpoint_bytes(cfg, model_fn))
+    check_run_dir(cfg.out, space_needed(cfg, model_fn))
     lock = RunLock(cfg.out, created=created).acquire()
     try:
         path = os.path.join(cfg.out, CHECKPOINT)
-        plan = state.decide(cfg, read_header(path))
-        if plan.action == "resume":
-            verify(path)
+        plan = state.decide(cfg, read_header(path))  # verified: the whole unit, every byte
     except BaseException:
         lock.release()
         raise
     return plan, lock
+
+
+def repair_summary(out: str) -> None:
+    """A finished run whose summary.json is corrupt or lost gets it back (from its metrics)."""
+    from ..observe.run_data import repair_summary as repair
+
+    note = repair(out)
+    if note:
+        print(f"gradsync train: {note}", flush=True)
+
+
+FLIGHT_ENV = "GRADSYNC_FLIGHT_DIR"
 
 
 def launch_workers(cfg: TrainConfig, model_fn=None, data_fn=None,
@@ -84,16 +95,28 @@ def launch_workers(cfg: TrainConfig, model_fn=None, data_fn=None,
     """Start ``cfg.workers`` local workers on a prepared run directory; rank 0's summary."""
     from ..launch import launch
     from .loop import run_worker
+    from .restarts import record_pending
 
-    results = launch(run_worker, cfg.workers, (cfg.to_dict(), model_fn, data_fn, faults, True),
-                     backend=cfg.backend, timeout_s=cfg.timeout,
-                     rdzv_endpoint=f"localhost:{cfg.port}", max_restarts=cfg.max_restarts)
+    # a collective that fails leaves each rank's flight record in the run directory,
+    # where the launcher's hang report (and the user) find it; an explicit setting wins
+    flight = os.environ.get(FLIGHT_ENV) or os.path.join(os.path.abspath(cfg.out), "flight")
+    saved = os.environ.get(FLIGHT_ENV)
+    os.environ[FLIGHT_ENV] = flight
+    try:
+        results = launch(run_worker, cfg.workers,
+                         (cfg.to_dict(), model_fn, data_fn, faults, True),
+                         backend=cfg.backend, timeout_s=cfg.timeout,
+                         rdzv_endpoint=f"localhost:{cfg.port}", max_restarts=cfg.max_restarts,
+                         on_restart=record_pending(cfg.out, cfg.max_restarts))
+    finally:
+        if saved is None:
+            os.environ.pop(FLIGHT_ENV, None)
     return results.get(0)
 
 
 def usage_error_of(err: WorkerFailedError) -> UsageError | None:
     """The one-line UsageError a worker failure stands for, if it is one."""
-    first = str(err).splitlines()[0]
+    first = next((ln for ln in str(err).splitlines() if ln.startswith("worker rank ")), "")
     m = re.match(r"worker rank \d+ failed: (\w+): (.*)", first)
     if m and m.group(1) in ONE_LINE_ERRORS:
         return UsageError(m.group(2))
@@ -161,6 +184,7 @@ def train(config: TrainConfig | dict | None = None, model=None, data=None, *,
         if plan.action == "finished":
             print(f"gradsync train: {cfg.out} already finished (step {plan.step} of "
                   f"{cfg.steps}); nothing to do", flush=True)
+            repair_summary(cfg.out)
             return None
         try:
             return launch_workers(cfg, model_fn, data_fn, faults)

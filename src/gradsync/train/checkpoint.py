@@ -26,23 +26,15 @@ import zlib
 
 import torch
 
-from ..errors import GradsyncError, UsageError
+from ..errors import StorageError, UsageError
 from ..rundir import SHARDS, TMP_PREFIX
 
 FORMAT = "gradsync-checkpoint"
-VERSION = 2
+VERSION = 3  # 3: the unit record (run id, step, config digest, shard checksums)
 
 
 class CheckpointCorrupt(UsageError):
     """A checkpoint whose bytes are not what was written (named: file and tensor)."""
-
-
-class StorageError(GradsyncError):
-    """Writing to the run directory failed; the message starts with the cause."""
-
-    def __init__(self, message: str, errno_: int = 0):
-        super().__init__(message)
-        self.errno = errno_
 
 
 def _fsync_dir(path: str) -> None:
@@ -191,14 +183,9 @@ def load_checkpoint(path: str, verified: bool = True) -> dict:
 
 
 def read_header(path: str) -> dict | None:
-    """The small fields of a checkpoint (step, world size, config), without its tensors'
-    bytes (memory-mapped); None if there is no checkpoint. Not verified."""
-    if not os.path.exists(path):
-        return None
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointCorrupt(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
-                                "it may be truncated or from another program") from None
-    return {k: state.get(k) for k in ("format", "version", "step", "world_size", "config",
-                                      "loss", "steps", "world_sizes")}
+    """The small fields of a checkpoint (step, world size, config, run id), believed only
+    after the whole unit -- this file and its shard directory -- is verified
+    (``train/unit.py``); None if there is no checkpoint."""
+    from .unit import read_unit  # the unit's checks build on this module's
+
+    return read_unit(path)

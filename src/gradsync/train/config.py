@@ -22,11 +22,13 @@ from ..errors import UsageError
 from ..factory import is_factory_spec
 from ..models import MODELS
 from .builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
+from .straggler import parse_stragglers
 
 OPTIMIZER_CHOICES = ("auto", *OPTIMIZERS)
 RESUME_CHOICES = ("auto", "must", "never")
 SCHEDULES = ("cosine", "constant")
 NONFINITE_CHOICES = ("stop", "skip-step")
+BALANCE_CHOICES = ("off", "auto")
 
 
 def _model_arg(value: str) -> str:
@@ -78,6 +80,8 @@ class TrainConfig:
     collectives: str = field(default="native", metadata={"help": "how gradients are summed: native (the backend's all-reduce), hierarchical (inside each host first, then across hosts: for hosts joined by a slow link; zero3 becomes hybrid sharding; diloco and streaming-diloco run one worker per host, exact inside it), ring, tree or server (reference algorithms)", "choices": COLLECTIVES})
     probe_every: int = field(default=25, metadata={"help": "with --compress: every N steps also sum the exact gradient once and record the compressed one's cosine and relative error (0: never)"})
     seq_len: int = field(default=128, metadata={"help": "tokens per sample for the built-in token data"})
+    balance: str = field(default="off", metadata={"help": "auto: split each step's global batch by each worker's measured speed, so a slow worker takes fewer samples and the update stays the exact mean (--sync exact only); the split then depends on timing, so runs are exact to float rounding but no longer bit-reproducible. off: the even split, bit-reproducible. See docs/stragglers.md", "choices": BALANCE_CHOICES})
+    straggler: str = field(default="", metadata={"help": "emulate slow workers, for trying --balance: RANK:SPEED[@STEP],... (e.g. 1:0.5@20: rank 1 at half speed from step 20); each micro-batch's compute is followed by a sleep of (1/SPEED - 1) times its duration"})
     clip: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this value (0 disables)"})
     on_nonfinite: str = field(default="stop", metadata={"help": "a NaN/inf loss or gradient norm: stop (before any checkpoint is written, exit 1) or skip-step (skip that optimizer update on every rank)", "choices": NONFINITE_CHOICES})
     checkpoint_every: int = field(default=100, metadata={"help": "save a checkpoint every N steps (and always at the end; 0: only at the end)"})
@@ -116,7 +120,8 @@ class TrainConfig:
             self.resume = "auto"
         for name, choices in (("backend", BACKENDS), ("strategy", tuple(STRATEGIES)),
                               ("precision", PRECISIONS), ("optimizer", OPTIMIZER_CHOICES),
-                              ("resume", RESUME_CHOICES), ("on_nonfinite", NONFINITE_CHOICES)):
+                              ("resume", RESUME_CHOICES), ("on_nonfinite", NONFINITE_CHOICES),
+                              ("balance", BALANCE_CHOICES)):
             if getattr(self, name) not in choices:
                 raise UsageError(f"unknown {name.replace('_', '-')} {getattr(self, name)!r}; "
                                  f"choose from {', '.join(choices)}")
@@ -146,6 +151,7 @@ class TrainConfig:
         if self.trace_steps:
             self.trace = True
         self.trace_window()
+        parse_stragglers(self.straggler)
 
     def sync_options(self) -> SyncOptions:
         if self.compress.split(":")[0] not in ("none", "bf16", "fp16", "powersgd", "int8"):
@@ -155,6 +161,11 @@ class TrainConfig:
                            delay=self.sync_delay, alpha=self.sync_alpha, outer_lr=self.outer_lr,
                            outer_momentum=self.outer_momentum, compress=self.compress,
                            collectives=self.collectives, probe_every=self.probe_every)
+
+    @property
+    def balanced(self) -> bool:
+        """Whether steps are split by measured speed: only where the gradient is exact."""
+        return self.balance == "auto" and self.sync == "exact" and self.compress == "none"
 
     @property
     def optimizer_name(self) -> str:

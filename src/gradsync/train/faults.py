@@ -19,11 +19,14 @@ Kinds: ``raise`` (a Python exception), ``exit`` (``os._exit(7)``), ``kill``
 its replica drifts), ``nan`` (this rank's loss becomes NaN), ``kill-in-save``
 (SIGKILL after this rank wrote its part of the checkpoint at that step, before the
 checkpoint is made current), ``stop`` (every rank saves a checkpoint after that
-step and returns: a clean preemption).
+step and returns: a clean preemption), ``eio`` / ``enospc`` (rank 0's write of that
+step's ``metrics.jsonl`` line fails halfway with an I/O error / a full disk: the
+seam for a disk failure that cannot be produced for real without root).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -35,7 +38,8 @@ import torch
 from ..errors import UsageError
 
 FAULT_ENV = "GRADSYNC_FAULT"
-KINDS = ("raise", "exit", "kill", "perturb", "nan", "kill-in-save", "stop")
+KINDS = ("raise", "exit", "kill", "perturb", "nan", "kill-in-save", "stop", "eio", "enospc")
+_WRITE_ERRORS = {"eio": errno.EIO, "enospc": errno.ENOSPC}
 
 
 class InjectedFault(RuntimeError):
@@ -101,6 +105,14 @@ class FaultInjector:
         if f is not None:
             _say(f, rank)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def write_error(self, rank: int, step) -> int | None:
+        """The errno the metrics line of ``step`` fails with on ``rank``, if one is due."""
+        f = self._due(rank, step, tuple(_WRITE_ERRORS)) if isinstance(step, int) else None
+        if f is None:
+            return None
+        _say(f, rank)
+        return _WRITE_ERRORS[f.kind]
 
     def stop_after(self, step: int) -> bool:
         """True: every rank checkpoints after ``step`` and returns (a clean preemption)."""

@@ -2,9 +2,10 @@
 
 Checks (each one line, exit 2, before any process is started): ``--out`` is a
 file; ``--out`` cannot be written (tested by writing, since root ignores mode
-bits but not a read-only mount); its device has less free space than one
-checkpoint needs (the previous checkpoint stays until the new one is complete,
-so a save needs a whole checkpoint's worth of free space).
+bits but not a read-only mount); its device has less free space than a save
+needs (``save_size.space_needed``: what the save writes for this strategy, sync
+method and compressor, counted twice -- the previous checkpoint stays until the
+new one is complete -- less what the current checkpoint already occupies).
 
 The lock is an advisory ``flock`` on ``OUT/gradsync.lock``, whose content names
 the holder (host, pid, start time). The kernel drops it when the holder exits,
@@ -32,12 +33,20 @@ from ..errors import UsageError
 from ..rundir import LOCK
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.1f} MiB"
+def _size(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
 
 
-def check_run_dir(out: str, need_bytes: int | None = None) -> None:
-    """Raise one UsageError naming the first problem with ``out``; create it if absent."""
+def free_space(path: str) -> int:
+    """Free bytes on ``path``'s device (a seam: tests stand in for a nearly full disk)."""
+    return shutil.disk_usage(path).free
+
+
+def check_run_dir(out: str, need_bytes: int | None = None, free=None) -> None:
+    """Raise one UsageError naming the first problem with ``out``; create it if absent.
+
+    ``need_bytes``: free space a save needs; ``free``: a function giving the free bytes
+    of a path (default :func:`free_space`)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--out {out} is a file, not a directory; choose another --out")
     try:
@@ -56,10 +65,11 @@ def check_run_dir(out: str, need_bytes: int | None = None) -> None:
         with contextlib.suppress(OSError):
             os.remove(probe)
     if need_bytes:
-        free = shutil.disk_usage(out).free
-        if free < need_bytes:
-            raise UsageError(f"--out {out}: {_mib(free)} free on its device, but a checkpoint "
-                             f"needs about {_mib(need_bytes)}; free space or choose another "
+        have = (free or free_space)(out)
+        if have < need_bytes:
+            raise UsageError(f"--out {out}: {_size(have)} free on its device, but a checkpoint "
+                             f"needs about {_size(need_bytes)} (the new one beside the "
+                             "previous one while it is saved); free space or choose another "
                              "--out")
 
 

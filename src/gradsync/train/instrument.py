@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,8 @@ from ..observe.metrics import StepMeter, peak_memory_bytes
 from ..rundir import BASELINE, DRIFT, PLAN, SUMMARY, TRACE, read_json, write_json
 from .config import TrainConfig
 
-STATS = ("loss_sum", "items", "grad_norm", "exposed_s", "bytes", "peak_memory")
+STATS = ("loss_sum", "items", "grad_norm", "exposed_s", "bytes", "peak_memory", "samples",
+         "busy_s")
 
 
 class Instruments:
@@ -53,10 +55,20 @@ class Instruments:
                 self.tracing = True
             self.tracer.begin_step(step)
 
-    def gather_stats(self, loss_sum: float, items: float, grad_norm: float) -> torch.Tensor:
-        """[world, len(STATS)] float64: every rank's figures (see :data:`STATS`)."""
+    def busy_s(self, started: float) -> float:
+        """Seconds since ``started`` (this step's start) not spent blocked in collectives."""
+        return max(0.0, time.perf_counter() - started - self.meter.exposed_s)
+
+    def gather_stats(self, loss_sum: float, items: float, grad_norm: float, samples: int,
+                     busy_s: float) -> torch.Tensor:
+        """[world, len(STATS)] float64: every rank's figures (see :data:`STATS`).
+
+        ``samples`` / ``busy_s``: this rank's share of the step and its own compute
+        time, which the straggler balancer turns into a rate (data/balance.py).
+        """
         mine = torch.tensor([loss_sum, items, grad_norm, self.meter.exposed_s,
-                             float(self.meter.bytes), float(peak_memory_bytes(self.device))],
+                             float(self.meter.bytes), float(peak_memory_bytes(self.device)),
+                             float(samples), busy_s],
                             dtype=torch.float64, device=self.device)
         out = torch.empty(self.world * len(STATS), dtype=torch.float64, device=self.device)
         comm.all_gather_single(out, mine, tag="stats")
@@ -88,6 +100,8 @@ class Instruments:
             "comm_bytes": int(self.meter.bytes),
             "collectives": self.meter.collectives,
             "peak_mem_mb_by_rank": [float(v) / 2**20 for v in stats[:, 5]],
+            "share_by_rank": [int(v) for v in stats[:, 6]],
+            "busy_s_by_rank": [float(v) for v in stats[:, 7]],
         }
 
     # ---------------------------------------------------------------- occasional

@@ -11,6 +11,7 @@ report, the drift check, checkpoints, and a fault injector's clean stop.
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 
 from .config import TrainConfig
@@ -60,10 +61,16 @@ def run_worker(cfg_dict: dict, model_fn=None, data_fn=None, faults: FaultInjecto
     verified the checkpoint and holds the lock (see ``train/api.py``).
     """
     cfg = TrainConfig(**cfg_dict)
-    sess = setup(cfg, model_fn, data_fn, faults, prepared)
-    if sess is None:  # already finished: nothing to do, nothing written
-        return None
+    previous = signal.getsignal(signal.SIGTERM)  # setup makes SIGTERM unwind like Ctrl-C
     try:
-        return train_session(sess)
+        sess = setup(cfg, model_fn, data_fn, faults, prepared)
+        if sess is None:  # already finished: nothing to do, nothing written
+            return None
+        try:
+            return train_session(sess)
+        finally:
+            sess.close()
     finally:
-        sess.close()
+        # Not past the loop: a SIGTERM during interpreter exit raised KeyboardInterrupt
+        # inside an atexit callback ("Exception ignored in atexit callback").
+        signal.signal(signal.SIGTERM, previous)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import dist as gdist
+from ..data.balance import ShareBalancer
 from ..data.sampler import StepSampler
 from ..engine.strategy.base import Strategy
 from ..engine.strategy.registry import build_strategy
@@ -29,17 +30,21 @@ from ..rundir import (
     METRICS,
     SUMMARY,
     MetricsWriter,
-    truncate_metrics,
+    read_metrics,
+    rewrite_metrics,
     write_json,
 )
 from . import state
-from .checkpoint import read_header, remove_stale_temporaries, verify
+from .checkpoint import read_header, remove_stale_temporaries
 from .config import TrainConfig
 from .faults import FaultInjector
 from .guard import RunLock, check_run_dir
 from .instrument import Instruments, baseline_rate_of
 from .progress import RunDisplay
-from .task import Task, build_task, estimate_checkpoint_bytes
+from .restarts import note_restart
+from .save_size import space_needed
+from .straggler import Slowdown
+from .task import Task, build_task
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -95,6 +100,8 @@ class Session:
     loop_started: float = 0.0
     last_checkpoint: int | None = None
     items_per_step: int = 0
+    balancer: ShareBalancer | None = None  # each step's split over the ranks (train/step.py)
+    slowdown: Slowdown | None = None  # --straggler: this rank's emulated slowness
 
     @property
     def unit(self) -> str:
@@ -102,6 +109,8 @@ class Session:
 
     def close(self) -> None:
         self.inst.close()
+        if self.slowdown:
+            self.slowdown.close()
         if self.writer:
             self.writer.close()
         if self.lock:
@@ -120,9 +129,7 @@ def _prepare_run_dir(cfg: TrainConfig, prepared: bool, need: int | None):
     try:
         remove_stale_temporaries(cfg.out)
         path = os.path.join(cfg.out, CHECKPOINT)
-        plan = state.decide(cfg, read_header(path))
-        if plan.action == "resume" and not prepared:
-            verify(path)  # every byte, before anything uses it
+        plan = state.decide(cfg, read_header(path))  # every byte verified before any is used
     except BaseException:
         if lock:
             lock.release()
@@ -130,14 +137,18 @@ def _prepare_run_dir(cfg: TrainConfig, prepared: bool, need: int | None):
     return plan, lock
 
 
-def _reset_files(cfg: TrainConfig, plan: state.ResumePlan) -> int:
-    """Rank 0: cut metrics back to the checkpoint's step; a finished mark no longer holds."""
-    removed = truncate_metrics(os.path.join(cfg.out, METRICS), plan.step)
+def _reset_files(cfg: TrainConfig, plan: state.ResumePlan) -> tuple[int | None, list[str]]:
+    """Rank 0: cut metrics back to the checkpoint's step, without damaged lines; a finished
+    mark no longer holds. Returns (the last step metrics held before, notes on lines dropped)."""
+    path = os.path.join(cfg.out, METRICS)
+    reached = max((r["step"] for r in read_metrics(path)[0] if isinstance(r.get("step"), int)),
+                  default=None)
+    _, dropped = rewrite_metrics(path, plan.step)
     for name in (SUMMARY,) + ((DRIFT,) if plan.action == "fresh" else ()):
         path = os.path.join(cfg.out, name)
         if os.path.exists(path):
             os.remove(path)
-    return removed
+    return reached, dropped
 
 
 def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector | None = None,
@@ -147,6 +158,7 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
     info = gdist.info()
     rank, world = info.rank, info.world_size
     accum = cfg.accumulation(world)  # the same answer (or error) on every rank
+    slowdown = Slowdown(cfg.straggler, rank, world)  # likewise
     _interrupt_on_sigterm()
     faults = faults or FaultInjector()
     faults.attempt = gdist.restart_count()  # a fault fires in one attempt, not in every restart
@@ -155,7 +167,7 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
     lock = None
     if rank == 0:
         try:
-            need = None if prepared else estimate_checkpoint_bytes(cfg, model_fn)
+            need = None if prepared else space_needed(cfg, model_fn)
             plan, lock = _prepare_run_dir(cfg, prepared, need)
             outcome = ("ok", plan)
         except UsageError as e:
@@ -164,11 +176,21 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
     if outcome[0] == "error":
         raise UsageError(outcome[1])
     plan: state.ResumePlan = outcome[1]
+    if plan.action == "resume" and cfg.sync != "exact" and plan.was_world not in (None, world):
+        raise UsageError(f"{cfg.out} holds a --sync {cfg.sync} run of {plan.was_world} workers, "
+                         f"which continues on {plan.was_world} only (between syncs every worker "
+                         f"holds its own replica and inner optimizer state); continue it with "
+                         f"{plan.was_world} workers: the same command with --nproc-per-node "
+                         f"x --nnodes = {plan.was_world} (torchrun) or workers={plan.was_world}")
     if plan.action == "finished":
         if rank == 0:
             print(f"gradsync train: {cfg.out} already finished (step {plan.step} of "
                   f"{cfg.steps}); nothing to do. Pass a larger --steps to train further.",
                   flush=True)
+            if not prepared:
+                from .api import repair_summary
+
+                repair_summary(cfg.out)
             if lock:
                 lock.release()
         return None
@@ -186,6 +208,8 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
                    StepSampler(n, cfg.global_batch, seed=cfg.seed), sched,
                    faults, Instruments(cfg, rank, world, info.device), plan,
                    os.path.join(cfg.out, CHECKPOINT), started, lock=lock)
+    sess.balancer = ShareBalancer(world, cfg.global_batch, accum, enabled=cfg.balanced)
+    sess.slowdown = slowdown
     sess.world_sizes = list(plan.world_sizes) if plan.action == "resume" else []
     if plan.action == "resume":
         sess.start_step = sess.last_checkpoint = state.load(sess)
@@ -198,17 +222,23 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
 
 def _open_rank0(sess: Session) -> None:
     cfg, plan = sess.cfg, sess.plan
-    _reset_files(cfg, plan)
+    reached, dropped = _reset_files(cfg, plan)
     write_json(os.path.join(cfg.out, CONFIG),
                {**cfg.to_dict(), "optimizer": cfg.optimizer_name, "world_size": sess.world,
                 "world_sizes": sess.world_sizes, "accumulation": sess.accum,
                 "backend": sess.backend, "item_name": sess.unit,
                 "eval": sess.task.data.eval is not None and cfg.eval_every > 0})
-    sess.writer = MetricsWriter(os.path.join(cfg.out, METRICS))
+    sess.writer = MetricsWriter(os.path.join(cfg.out, METRICS),
+                                fail=lambda rec: sess.faults.write_error(0, rec.get("step")))
     sess.baseline_rate = baseline_rate_of(cfg)
     sess.display = RunDisplay(cfg.steps, sess.start_step, sess.unit)
     if sess.lock and sess.lock.note():
         sess.display.say(f"gradsync train: {sess.lock.note()}")
+    if dropped:
+        sess.display.say(f"gradsync train: {os.path.join(cfg.out, METRICS)}: dropped "
+                         f"{len(dropped)} damaged line(s) ({'; '.join(dropped[:3])}) and "
+                         "rewrote it without them")
+    note_restart(sess, reached)
     if plan.action == "resume":
         workers = "1 worker" if sess.world == 1 else f"{sess.world} workers"
         sess.display.say(f"gradsync train: resuming from step {sess.start_step} of {cfg.steps} "

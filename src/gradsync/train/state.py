@@ -39,6 +39,7 @@ from ..engine.transport import comm
 from ..errors import UsageError
 from ..rundir import SHARDS
 from .checkpoint import FORMAT, VERSION, atomic_save, load_checkpoint, storage_error
+from .unit import config_digest, identity, new_run_id, shard_record
 
 MUST_MATCH = ("model", "data", "seq_len", "global_batch", "seed", "strategy", "precision",
               "sync", "compress")
@@ -53,6 +54,7 @@ class ResumePlan:
     step: int = 0
     was_world: int | None = None
     world_sizes: tuple[int, ...] = ()
+    run_id: str = ""  # drawn when the run starts fresh, kept by every resume (``unit.py``)
 
 
 def _optimizer_of(config: dict) -> str:
@@ -73,7 +75,7 @@ def decide(cfg, header: dict | None) -> ResumePlan:
         if cfg.resume == "must":
             raise UsageError(f"--resume: no checkpoint in {out} to continue; leave out "
                              "--resume to start a new run there")
-        return ResumePlan("fresh")
+        return ResumePlan("fresh", run_id=new_run_id())
     step, saved = int(header["step"]), header.get("config") or {}
     if cfg.resume == "never":
         raise UsageError(f"{out} already holds a checkpoint (step {step}); continue it by "
@@ -89,9 +91,15 @@ def decide(cfg, header: dict | None) -> ResumePlan:
                          f"{_optimizer_of(saved)}, now {cfg.optimizer_name}; continue it with "
                          "the same flags, or choose another --out")
     sizes = tuple(header.get("world_sizes") or (header.get("world_size"),))
-    if step >= cfg.steps:
-        return ResumePlan("finished", step, header.get("world_size"), sizes)
-    return ResumePlan("resume", step, header.get("world_size"), sizes)
+    run_id = header.get("run_id") or new_run_id()  # format 2 had none: one from now on
+    action = "finished" if step >= cfg.steps else "resume"
+    return ResumePlan(action, step, header.get("world_size"), sizes, run_id)
+
+
+def run_digest(config: dict) -> str:
+    """The configuration digest a checkpoint unit carries: what must match to continue."""
+    return config_digest({**_OLD_DEFAULTS, **config, "optimizer": _optimizer_of(config)},
+                         (*MUST_MATCH, "optimizer"))
 
 
 def save(sess, step: int) -> None:
@@ -99,24 +107,27 @@ def save(sess, step: int) -> None:
     cfg, strategy, rank = sess.cfg, sess.strategy, sess.rank
     shard_dir = None
     target = strategy.checkpoint_target
+    ident = identity(sess.plan.run_id, step, run_digest(cfg.to_dict()))
     if target is not None:
         shard_dir = os.path.join(SHARDS, f"step-{step:07d}")
         path = os.path.join(cfg.out, shard_dir)
         try:
-            save_sharded(path, *target)
+            save_sharded(path, *target, identity=ident)
         except OSError as e:
             raise storage_error(e, "the checkpoint shards", path) from None
     module_state = strategy.full_state_dict()  # a collective for ZeRO-3
     if rank != 0:
         sess.faults.at_save(rank, step)
         return
+    shards = shard_record(cfg.out, shard_dir) if shard_dir else None
     atomic_save({"format": FORMAT, "version": VERSION, "step": step, "steps": cfg.steps,
                  "model": module_state, "optimizer": strategy.optimizer_state_dict(),
                  "optimizer_shards": shard_dir, "scheduler": sess.sched.state_dict(),
-                 "sampler": sess.sampler.state_dict(), "world_size": sess.world,
+                 "sampler": sess.sampler.state_dict(), "balance": sess.balancer.state_dict(),
+                 "world_size": sess.world,
                  "world_sizes": list(sess.world_sizes), "config": cfg.to_dict(),
                  "strategy_extra": strategy.extra_state(), "loss": sess.last_loss,
-                 "rng": torch.get_rng_state()},
+                 "rng": torch.get_rng_state(), "unit": {**ident, "shards": shards}},
                 sess.ckpt_path, before_replace=lambda: sess.faults.at_save(0, step))
     if shard_dir:  # the previous steps' shards are no longer referenced
         root = os.path.join(cfg.out, SHARDS)
@@ -128,7 +139,8 @@ def save(sess, step: int) -> None:
 def load(sess) -> int:
     """Restore model, optimizer, scheduler, sampler, RNG and strategy state; return the step.
 
-    Rank 0 verified the file's checksums before the decision to resume was shared.
+    Rank 0 verified the whole unit (``unit.py``: checksums, fields, the shards' identity)
+    before the decision to resume was shared; the sharded load checks the identity again.
     """
     cfg, strategy = sess.cfg, sess.strategy
     state = load_checkpoint(sess.ckpt_path, verified=False)
@@ -137,7 +149,9 @@ def load(sess) -> int:
         if target is None:
             raise UsageError("the checkpoint holds sharded optimizer state but this strategy "
                              "is not sharded")
-        load_sharded(os.path.join(cfg.out, state["optimizer_shards"]), *target)
+        unit = state.get("unit")  # format 3: the shards must be this unit's own
+        expect = identity(unit["run_id"], unit["step"], unit["config_digest"]) if unit else None
+        load_sharded(os.path.join(cfg.out, state["optimizer_shards"]), *target, expect=expect)
     else:
         strategy.load_full_state_dict(state["model"])
         strategy.load_optimizer_state_dict(state["optimizer"])
@@ -157,6 +171,7 @@ def load(sess) -> int:
                                                                   cfg.global_batch))
     if state.get("rng") is not None:
         torch.set_rng_state(state["rng"])
+    sess.balancer.load_state_dict(state.get("balance"))  # the split in force continues
     return int(state["step"])
 
 

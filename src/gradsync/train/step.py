@@ -1,7 +1,9 @@
 """One optimizer step of `gradsync train`, and the held-out evaluation.
 
-A step draws its global batch from the :class:`StepSampler` (this rank takes its
-interleaved part and cuts it into ``accumulation`` micro-batches), runs all but
+A step draws its global batch from the :class:`StepSampler`; the
+:class:`~gradsync.data.balance.ShareBalancer` deals it over the ranks (evenly,
+``block[r::K]``, unless ``--balance`` measured a rank slower and handed it fewer
+samples) and this rank cuts its part into ``accumulation`` micro-batches; runs all but
 the last micro-batch under ``no_sync()`` and calls ``backward(loss,
 num_items=n)``, so the gradient is the exact mean over every item of the global
 batch. Then, before the optimizer may touch anything: the global gradient norm
@@ -21,7 +23,6 @@ from collections.abc import Mapping
 
 import torch
 
-from ..data.sampler import StepSampler
 from ..engine.transport import comm, tracing
 from ..errors import GradsyncError
 from ..rundir import StepRecord
@@ -64,13 +65,14 @@ def run_step(sess: Session, step: int) -> StepRecord:
     model = strategy.model
     sess.inst.begin_step(step)
     t0 = time.perf_counter()
-    share = StepSampler.share(sess.sampler.next_block(), sess.rank, sess.world)
-    m = len(share) // sess.accum
+    share = sess.balancer.split(sess.sampler.next_block())[sess.rank]
+    micro = sess.balancer.micro_batches(share)
     loss_sum, items = 0.0, 0
-    for k in range(sess.accum):
-        last = k == sess.accum - 1
+    for k, idx in enumerate(micro):
+        last = k == len(micro) - 1
         poison = last and sess.faults.at_step(sess.rank, step, model.module)
-        x, y = _to(task.collate(task.data.train, share[k * m:(k + 1) * m]), sess.device)
+        sess.slowdown.before_micro_batch()
+        x, y = _to(task.collate(task.data.train, idx), sess.device)
         n = task.items(x, y)
         with contextlib.nullcontext() if last else model.no_sync():
             loss = task.data.loss_fn(_forward(model, x), y)
@@ -80,9 +82,11 @@ def run_step(sess: Session, step: int) -> StepRecord:
         if n:  # a micro-batch of padding only: its loss is 0/0 and counts for nothing
             loss_sum += float(loss.detach()) * n
         items += n
+        sess.slowdown.after_micro_batch(step)
+    busy = sess.inst.busy_s(t0)
     with tracing.span("optimizer"):
         norm = float(strategy.clip_grad_norm_(cfg.clip))
-        stats = sess.inst.gather_stats(loss_sum, float(items), norm)
+        stats = sess.inst.gather_stats(loss_sum, float(items), norm, len(share), busy)
         total_items = float(stats[:, 1].sum())
         global_loss = float(stats[:, 0].sum()) / total_items
         lr = strategy.optimizer.param_groups[0]["lr"]
@@ -101,6 +105,7 @@ def run_step(sess: Session, step: int) -> StepRecord:
     step_s = time.perf_counter() - t0
     sess.step_times.append(step_s)
     figures = sess.inst.step_figures(stats, step_s)  # the step's own, before any evaluation
+    saved = balance(sess, step, figures["share_by_rank"], figures["busy_s_by_rank"])
     sess.inst.end_step(step)
     stop = problem is not None and cfg.on_nonfinite == "stop"
     eval_loss = None if stop else maybe_evaluate(sess, step)
@@ -113,7 +118,7 @@ def run_step(sess: Session, step: int) -> StepRecord:
                      time_s=time.perf_counter() - sess.loop_started, unix_time=time.time(),
                      samples_per_s=cfg.global_batch / step_s,
                      tokens_per_s=rate if sess.unit == "tokens" else None,
-                     **figures, **strategy.step_report())
+                     balance_saved_s=saved, **figures, **strategy.step_report())
     if sess.baseline_rate:
         rec.scaling_efficiency = rec.samples_per_s / (sess.world * sess.baseline_rate)
     if sess.rank == 0:
@@ -130,6 +135,21 @@ def run_step(sess: Session, step: int) -> StepRecord:
                              "--lr; else look for NaN/inf in the data or the model (or pass "
                              "--on-nonfinite skip-step), then run the same command again")
     return rec
+
+
+def balance(sess: Session, step: int, shares: list[int], busy: list[float]) -> float | None:
+    """Feed the step's measured shares and busy times to the balancer (every rank alike).
+
+    Returns the seconds the split saved against the even one (None when not
+    balancing); a changed split, applied from the next step, is announced.
+    """
+    if not sess.balancer.enabled:
+        return None
+    if sess.balancer.observe(step, shares, busy) and sess.display:
+        rates = ", ".join(f"{r:.0f}" for r in sess.balancer.last_rates)
+        sess.display.say(f"gradsync train: from step {step + 1} the ranks take "
+                         f"{sess.balancer.counts} samples (measured {rates} samples/s)")
+    return sess.balancer.saved_s
 
 
 def maybe_evaluate(sess: Session, step: int) -> float | None:

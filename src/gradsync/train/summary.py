@@ -82,6 +82,7 @@ def finish(sess: Session) -> dict | None:
         ("drift check", drift_line(sess.inst.drift) if sess.strategy.replicated
          else f"n/a ({sess.strategy.not_replicated_because})"),
         ("gradient buckets", _buckets_line(s, tuned)),
+        ("straggler balancing", _balance_line(sess)),
         ("wall time", f"{s.total_wall_s:.1f} s"),
         ("checkpoint", sess.ckpt_path),
     ]
@@ -96,6 +97,22 @@ def finish(sess: Session) -> dict | None:
     if not cfg.no_report:
         write_report_safely(cfg.out)
     return s.to_json()
+
+
+def _balance_line(sess: Session) -> str:
+    """What --balance did over the whole run (every attempt), from metrics.jsonl."""
+    cfg = sess.cfg
+    if cfg.balance == "off":
+        return "off"
+    if not cfg.balanced:
+        return "off (only with --sync exact and no --compress)"
+    rows, _ = read_metrics(os.path.join(cfg.out, METRICS))
+    uneven = [r for r in rows if len(set(r.get("share_by_rank") or [0])) > 1]
+    if not uneven:
+        return "on; even split throughout (no rank measured slower)"
+    saved = sum(r.get("balance_saved_s") or 0.0 for r in uneven)
+    return (f"{len(uneven)} of {len(rows)} steps uneven (last {uneven[-1]['share_by_rank']}); "
+            f"saved {saved:.2f} s")
 
 
 def _buckets_line(s, tuned) -> str:

@@ -169,6 +169,19 @@ def complete(data: TrainData | Dataset) -> TrainData:
     return data
 
 
+def _refuse_meta(model: nn.Module, name: str) -> None:
+    """A tensor on the meta device has a shape and no values: name it, before torch's
+    "Cannot copy out of meta tensor; no data!" (which names nothing) when it is moved."""
+    for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        bad = [n for n, t in items if t.is_meta]
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise UsageError(f"--model {name}: {kind} {bad[0]!r}{more} is on the meta device "
+                             "(a shape, no values), so it cannot be trained; give it real values "
+                             "in the factory (e.g. module.to_empty(device='cpu'), then "
+                             "initialise it, or load a state dict with assign=True)")
+
+
 def build_task(cfg: TrainConfig, model_fn: Callable | None = None,
                data_fn: Callable | None = None) -> Task:
     """Model (seeded identically on every rank), data, loss, items and optimizer."""
@@ -183,29 +196,9 @@ def build_task(cfg: TrainConfig, model_fn: Callable | None = None,
         model = build_model("gpt", seq_len=cfg.seq_len)
     else:
         model = build_model(cfg.model)
+    _refuse_meta(model, cfg.model)
     data_fn = data_fn or (load_factory(cfg.data) if is_factory_spec(cfg.data) else None)
     data = complete(data_fn()) if data_fn is not None else builtin_data(cfg.data, cfg)
     opt_cls, opt_kwargs = OPTIMIZERS[cfg.optimizer_name](cfg.lr)
     return Task(model, data, opt_cls, opt_kwargs, cfg.model, cfg.data)
 
-
-def estimate_checkpoint_bytes(cfg: TrainConfig, model_fn: Callable | None = None) -> int | None:
-    """About how many bytes a checkpoint of this run takes (None: the model cannot be
-    built on the meta device to count it). Parameters, optimizer state (AdamW: 2
-    tensors per parameter, SGD: 1), an fp32 master copy with bf16, the full model
-    beside the shards for ZeRO."""
-    fn = model_fn or (load_factory(cfg.model) if is_factory_spec(cfg.model) else None)
-    try:
-        if fn is None:  # built-in: small, and building for real skips meta's first-use cost (1 s)
-            model = (build_model("gpt", seq_len=cfg.seq_len) if cfg.model == "gpt"
-                     else build_model(cfg.model))
-        else:
-            with torch.device("meta"):
-                model = fn()
-        tensors = list(model.parameters()) + list(model.buffers())
-        size = sum(t.numel() * t.element_size() for t in tensors)
-    except Exception:  # noqa: BLE001 - an estimate we cannot make is not an error
-        return None
-    copies = 1 + (2 if cfg.optimizer_name == "adamw" else 1)
-    copies += (cfg.precision != "fp32") + (cfg.strategy != "ddp")
-    return int(size * copies)

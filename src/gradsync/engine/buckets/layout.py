@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ...errors import UsageError
-from ..sync.item_window import HEADER_SLOTS
 from ..sync.replicas import ignored_names, without_ddp_prefix
+from ..sync.window_check import WINDOW_SLOTS as HEADER_SLOTS  # items + desync fingerprint
 from ..transport import comm
 from .autotune import AutotuneResult, BucketAutotuner
 from .buffer import Bucket
@@ -108,7 +108,7 @@ class BucketLayout:
         while self.next_launch < len(buckets) and buckets[self.next_launch].pending == 0:
             b = buckets[self.next_launch]
             if self.next_launch == 0 and self.header_in_bucket:
-                window.write(self.header_slots())
+                window.write(self.header_slots(), self.group)
             if self.next_launch == len(buckets) - 1 and self.mask_in_bucket:
                 mask = self.mask_slots(len(used))
                 mask.copy_(torch.tensor(used, dtype=mask.dtype))

@@ -11,7 +11,8 @@ Nothing is lost when something goes wrong:
 
 * a save writes into ``<dir>.tmp-<token>/`` (each file written, fsynced, renamed),
   rank 0 writes ``manifest.json`` last (world size, stage, every tensor's name and
-  shape, size and sha256 of every shard file), then swaps the directory in. A save
+  shape, size and sha256 of every shard file, and the caller's identity: a training
+  run's id, step and configuration digest), then swaps the directory in. A save
   interrupted at any point leaves the previous ``<dir>`` as it was.
 * loading checks the manifest against the model (an error names the first
   mismatching tensor) and every file's size and checksum (an error names the file)
@@ -89,10 +90,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_sharded(path, target, optimizer=None, _fail_before_manifest: bool = False) -> Path:
+def save_sharded(path, target, optimizer=None, _fail_before_manifest: bool = False,
+                 identity: dict | None = None) -> Path:
     """Save this rank's shard of ``target`` into checkpoint directory ``path`` (all ranks call).
 
     ``target``: a ZeroOptimizer, or a FullyShardedDataParallel with its ``optimizer``.
+    ``identity``: what ties these shards to the rest of a checkpoint (a training run's
+    id, step and configuration digest), kept in the manifest for :func:`load_sharded`'s
+    ``expect``.
     """
     kind, stage, bufs = _buffers(target, optimizer)
     group = target.group
@@ -136,7 +141,7 @@ def save_sharded(path, target, optimizer=None, _fail_before_manifest: bool = Fal
                     "optimizer": type(opt0).__name__ if opt0 is not None else None,
                     "tensors": [[n, list(s)] for names, shapes, *_ in bufs
                                 for n, s in zip(names, shapes)],
-                    "files": files}
+                    "files": files, "identity": identity}
         _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
         old = final.with_name(f"{final.name}.old-{int(token.item())}")
@@ -149,7 +154,7 @@ def save_sharded(path, target, optimizer=None, _fail_before_manifest: bool = Fal
     return final
 
 
-def _read_verified(path: Path, world_expected=None) -> tuple[dict, list[dict]]:
+def _read_verified(path: Path, expect: dict | None = None) -> tuple[dict, list[dict]]:
     mpath = path / "manifest.json"
     if not mpath.exists():
         hint = [p.name for p in path.parent.glob(f"{path.name}.*")]
@@ -162,6 +167,9 @@ def _read_verified(path: Path, world_expected=None) -> tuple[dict, list[dict]]:
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: checkpoint format {manifest.get('format')}, this "
                               f"gradsync reads format {FORMAT}")
+    if expect is not None and manifest.get("identity") != expect:
+        raise CheckpointError(f"{mpath}: shards of another checkpoint (saved as "
+                              f"{manifest.get('identity')}, expected {expect})")
     payloads = []
     for name, meta in manifest["files"].items():
         f = path / name
@@ -178,14 +186,15 @@ def _read_verified(path: Path, world_expected=None) -> tuple[dict, list[dict]]:
     return manifest, payloads
 
 
-def load_sharded(path, target, optimizer=None) -> dict:
+def load_sharded(path, target, optimizer=None, expect: dict | None = None) -> dict:
     """Load checkpoint directory ``path`` into ``target`` on any number of workers.
 
-    Everything is verified before anything is modified. Returns the manifest.
+    Everything is verified before anything is modified (``expect``: the identity the
+    manifest must carry, see :func:`save_sharded`). Returns the manifest.
     """
     kind, _stage, bufs = _buffers(target, optimizer)
     path = Path(path)
-    manifest, payloads = _read_verified(path)
+    manifest, payloads = _read_verified(path, expect)
     saved = {n: tuple(s) for n, s in manifest["tensors"]}
     module = target.model.module if kind == "zero" else target.module
     keys = target.original_keys if kind == "fsdp" else module.state_dict()

@@ -48,11 +48,12 @@ from torch import nn
 
 from ...errors import UnusedParametersError, UsageError
 from ..transport import comm, tracing
-from .item_window import HEADER_SLOTS, ItemWindow, as_count
+from .item_window import as_count
 from .join import Join
 from .protocol import SyncProtocol, tensors_in
 from .replicas import broadcast_tensors, comm_device
 from .shadow import Shadow
+from .window_check import WINDOW_SLOTS, CheckedWindow
 
 
 class SyncedModule(Shadow, SyncProtocol, nn.Module):
@@ -78,20 +79,20 @@ class SyncedModule(Shadow, SyncProtocol, nn.Module):
         self._in_pass = self._joined = self._syncing = self._empty = False
         self._forward_ran = False  # a grad-enabled forward since the last joined pass
         self._guard_nonfinite = False  # an empty rank's backward through its graph
-        self._window = ItemWindow(self.world_size, self.rank)
+        self._window = CheckedWindow(self.world_size, self.rank, self)  # + desync fingerprint
         self._window_joined = False  # a pass of the open accumulation window joined
         self._trace_t0: float | None = None
-        self._header_buf = torch.zeros(HEADER_SLOTS, dtype=torch.float64,
+        self._header_buf = torch.zeros(WINDOW_SLOTS, dtype=torch.float64,
                                        device=comm_device(group))
         self._header_pending: comm.Pending | None = None
         self._join_state: Join | None = None  # the open join() context
 
     # ------------------------------------------------------------ small collectives
     def _launch_header(self, group) -> None:
-        """The window's item header as a 32-byte all-reduce of its own, launched as the
-        first gradient arrives so it hides behind backward (when it cannot ride in a
-        bucket that is summed exactly)."""
-        self._window.write(self._header_buf)
+        """The window's item header and desync fingerprint as a 104-byte all-reduce of
+        its own, launched as the first gradient arrives so it hides behind backward
+        (when it cannot ride in a bucket that is summed exactly)."""
+        self._window.write(self._header_buf, group)
         self._header_pending = comm.all_reduce(self._header_buf, group, async_op=True,
                                                tag="header")
 

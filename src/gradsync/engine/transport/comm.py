@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import flight_recorder
+
 
 @dataclass
 class CollectiveEvent:
@@ -70,13 +72,15 @@ def add_observer(fn: Observer) -> ObserverHandle:
 class Pending:
     """An in-flight collective; ``wait()`` blocks until it is complete."""
 
-    __slots__ = ("_work", "event", "_done", "_blocked_since")
+    __slots__ = ("_work", "event", "_done", "_blocked_since", "_rec")
 
-    def __init__(self, work, event: CollectiveEvent | None, blocked_since: float | None = None):
+    def __init__(self, work, event: CollectiveEvent | None, blocked_since: float | None = None,
+                 rec=None):
         self._work = work
         self.event = event
         self._done = False
         self._blocked_since = blocked_since
+        self._rec = rec  # the flight recorder's record (None inside a composite)
 
     def done(self) -> bool:
         """True once the collective has completed (never blocks)."""
@@ -90,8 +94,13 @@ class Pending:
         else:
             t0 = self._blocked_since or time.perf_counter()
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except BaseException as exc:
+                flight_recorder.failed(self._rec, exc)
+                raise
         self._done = True
+        flight_recorder.end(self._rec)
         if self.event is not None:
             now = time.perf_counter()
             self.event.end = now
@@ -119,11 +128,25 @@ def _stamp_finished(ev: CollectiveEvent):
     return done
 
 
-def _run(op: str, tensor: torch.Tensor, issue, async_op: bool, tag: str, meta: dict | None):
+def _record(op: str, tensor: torch.Tensor, group, tag: str):
+    """Number the collective and keep it (fingerprint, flight recorder); not the
+    steps inside a composite, which count as the composite."""
+    if getattr(_composite, "depth", 0):
+        return None
+    return flight_recorder.begin(op, tensor, group, tag)
+
+
+def _run(op: str, tensor: torch.Tensor, issue, async_op: bool, tag: str, meta: dict | None,
+         group=None):
+    rec = _record(op, tensor, group, tag)
     ev = _launch(op, tensor, tag, meta)
-    work = issue(async_op)
+    try:
+        work = issue(async_op)
+    except BaseException as exc:
+        flight_recorder.failed(rec, exc)
+        raise
     if not async_op:
-        pending = Pending(None, ev, ev.start if ev is not None else None)
+        pending = Pending(None, ev, ev.start if ev is not None else None, rec)
         pending.wait()
         return pending
     if ev is not None and work is not None:
@@ -131,20 +154,20 @@ def _run(op: str, tensor: torch.Tensor, issue, async_op: bool, tag: str, meta: d
             work.get_future().then(_stamp_finished(ev))
         except (AttributeError, RuntimeError):  # a backend without futures: end = wait
             pass
-    return Pending(work, ev)
+    return Pending(work, ev, rec=rec)
 
 
 def all_reduce(tensor, group=None, op=dist.ReduceOp.SUM, async_op=False, tag="", meta=None):
     return _run("all_reduce", tensor,
                 lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a),
-                async_op, tag, meta)
+                async_op, tag, meta, group)
 
 
 def broadcast(tensor, src_rank=0, group=None, async_op=False, tag="", meta=None):
     src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
     return _run("broadcast", tensor,
                 lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a),
-                async_op, tag, meta)
+                async_op, tag, meta, group)
 
 
 # torch 2.13 renamed the single-tensor collectives; older releases in our range lack the new names.
@@ -156,7 +179,7 @@ def all_gather_single(output, input, group=None, async_op=False, tag="", meta=No
     """Gather every rank's ``input`` into the flat ``output`` (rank-major)."""
     return _run("all_gather", output,
                 lambda a: _all_gather_single(output, input, group=group, async_op=a),
-                async_op, tag, meta)
+                async_op, tag, meta, group)
 
 
 def reduce_scatter_single(output, input, group=None, op=dist.ReduceOp.SUM, async_op=False,
@@ -164,7 +187,7 @@ def reduce_scatter_single(output, input, group=None, op=dist.ReduceOp.SUM, async
     """Sum ``input`` over ranks and leave rank r's equal slice of the result in ``output``."""
     return _run("reduce_scatter", input,
                 lambda a: _reduce_scatter_single(output, input, op=op, group=group, async_op=a),
-                async_op, tag, meta)
+                async_op, tag, meta, group)
 
 
 class _Exchange:
@@ -210,14 +233,15 @@ def exchange(op: str, tensor: torch.Tensor, sends, recvs, group=None, p2p_tag: i
             work.wait()
         return work
 
-    return _run(op, tensor, issue, async_op, tag, meta)
+    return _run(op, tensor, issue, async_op, tag, meta, group)
 
 
 _composite = threading.local()  # depth of composite() on this thread
 
 
 @contextlib.contextmanager
-def composite(op: str, tensor: torch.Tensor, tag: str = "", meta: dict | None = None):
+def composite(op: str, tensor: torch.Tensor, tag: str = "", meta: dict | None = None,
+              group=None):
     """One observed collective ``op`` built of many point-to-point steps.
 
     The reference algorithms (engine/algorithms/) move a tensor in rounds of
@@ -228,10 +252,14 @@ def composite(op: str, tensor: torch.Tensor, tag: str = "", meta: dict | None = 
     duration.
     """
     depth = getattr(_composite, "depth", 0)
+    rec = _record(op, tensor, group, tag)
     ev = _launch(op, tensor, tag, meta) if depth == 0 else None
     _composite.depth = depth + 1
     try:
         yield
+    except BaseException as exc:
+        flight_recorder.failed(rec, exc)
+        raise
     finally:
         _composite.depth = depth
-    Pending(None, ev, ev.start if ev is not None else None).wait()
+    Pending(None, ev, ev.start if ev is not None else None, rec).wait()
