@@ -236,12 +236,45 @@ def test_resume_modes_and_a_finished_run(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+HELP_WALK = """
+import argparse, contextlib, io, json, sys
+from gradsync.cli import build_parser, main
+
+def paths(parser, prefix):
+    yield prefix
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from paths(sub, prefix + [name])
+
+out = {}
+for path in list(paths(build_parser(), []))[1:]:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        try:
+            code = main(path + ["--help"])
+        except SystemExit as e:
+            code = e.code
+    out[" ".join(path)] = [code, buf.getvalue()]
+print(json.dumps(out))
+"""
+
+
 def test_help_on_every_subcommand():
+    """Every command and sub-command (``plan memory``, ``netlab run``, ...) answers
+    ``--help`` with its usage and exit code 0; one process walks the parser tree
+    through ``gradsync.cli.main`` (a process per command took half a minute)."""
     from gradsync.cli import COMMANDS
 
-    for name, _ in COMMANDS:
-        r = run_cli(name, "--help", timeout=60)
-        assert r.returncode == 0 and "usage:" in r.stdout, name
+    r = subprocess.run([sys.executable, "-c", HELP_WALK], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    helps = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {name for name, _ in COMMANDS} <= set(helps), sorted(helps)
+    assert {"plan memory", "netlab run"} <= set(helps), sorted(helps)
+    for path, (code, text) in helps.items():
+        assert code == 0 and text.startswith("usage: gradsync " + path), (path, code, text[:200])
+    assert run_cli("train", "--help", timeout=60).stdout.startswith("usage: gradsync train")
 
 
 def test_corrupt_checkpoint_is_named_on_resume(tmp_path):
