@@ -122,7 +122,7 @@ def slow64() -> nn.Module:
 
 
 class _PerSample(nn.Module):
-    """tiny64 whose forward takes 2 ms per sample (``$GRADSYNC_TEST_SAMPLE_S``): compute
+    """tiny64 whose forward takes 20 ms per sample (``$GRADSYNC_TEST_SAMPLE_S``): compute
     that grows with the share, as a real model's does, so a smaller share is faster."""
 
     def __init__(self):
@@ -132,7 +132,7 @@ class _PerSample(nn.Module):
     def forward(self, x):
         import time
 
-        time.sleep(float(os.environ.get("GRADSYNC_TEST_SAMPLE_S", "0.002")) * len(x))
+        time.sleep(float(os.environ.get("GRADSYNC_TEST_SAMPLE_S", "0.02")) * len(x))
         return self.net(x)
 
 
