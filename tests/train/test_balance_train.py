@@ -7,11 +7,12 @@ after each micro-batch), so after the balancer's window the split moves to the
 floor share for rank 1, ``[9, 3]`` of 12 -- pinned by the bound, so it is the
 same split in every run whatever the machine's timing, which is what lets the
 resumed run be compared bit for bit. The model's forward costs 20 ms a sample
-(``per_sample64``), so a smaller share is faster by far more than the step's fixed costs can hide and the balancer keeps
-the change. (At 2 ms a sample and speed 0.1 the fixed per-micro-batch costs of a
-loaded CI machine, which the straggler's sleep multiplies too, left a gain of
-about 15%: the probation judged it noise and reverted.) Float64 SGD, checked to 1e-12 against the
-single-process reference; the recording dataset shows every sample once per epoch.
+(``per_sample64``), so a smaller share is faster by far more than the step's
+fixed costs can hide and the balancer keeps the change. (At 2 ms a sample and
+speed 0.1, the fixed per-micro-batch costs of a loaded CI machine, which the
+straggler's sleep multiplies too, left a gain of about 15%: the probation judged
+it noise and reverted.) Float64 SGD, checked to 1e-12 against the single-process
+reference; the recording dataset shows every sample once per epoch.
 """
 
 import pytest

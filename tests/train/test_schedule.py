@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from gradsync.train.config import TrainConfig, add_arguments, from_args
+from gradsync.train.config import TrainConfig
+from gradsync.train.flags import add_arguments, from_args
 from gradsync.train.session import lr_factor
 
 

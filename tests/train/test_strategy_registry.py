@@ -10,7 +10,7 @@ import pytest
 from gradsync.cli import build_parser
 from gradsync.engine.strategy.registry import STRATEGIES, register_strategy
 from gradsync.errors import UsageError
-from gradsync.train import config  # imported before the registration below
+from gradsync.train import config, flags  # imported before the registration below
 
 
 def test_a_strategy_registered_after_import_is_a_choice(capsys):
@@ -19,7 +19,7 @@ def test_a_strategy_registered_after_import_is_a_choice(capsys):
         parser = build_parser()
         args = parser.parse_args(["train", "--strategy", "late-ddp", "--steps", "2"])
         assert args.strategy == "late-ddp"
-        assert config.from_args(args).strategy == "late-ddp"
+        assert flags.from_args(args).strategy == "late-ddp"
         with pytest.raises(SystemExit):
             parser.parse_args(["train", "--help"])
         assert "late-ddp" in capsys.readouterr().out

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 from ..dist import BACKENDS
 from ..engine.strategy.options import COLLECTIVES, SYNC_METHODS, SyncOptions
@@ -45,6 +45,14 @@ def _data_arg(value: str) -> str:
         f"unknown data {value!r}: choose from {', '.join(DATASETS)}, or pass pkg.module:factory")
 
 
+def _optimizer_arg(value: str) -> str:
+    if value in OPTIMIZER_CHOICES or is_factory_spec(value):
+        return value
+    raise argparse.ArgumentTypeError(
+        f"unknown optimizer {value!r}: choose from {', '.join(OPTIMIZER_CHOICES)}, or pass "
+        "pkg.module:factory (a function of the parameter groups returning an optimizer)")
+
+
 def _cap_arg(value: str):
     return value if value == "auto" else float(value)
 
@@ -58,7 +66,10 @@ class TrainConfig:
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate (linear warm-up, then --schedule)"})
     warmup: int = field(default=20, metadata={"help": "warm-up steps"})
     schedule: str = field(default="cosine", metadata={"help": "after warm-up: cosine decay to 10%% of --lr at the last step, or constant --lr to the end", "choices": SCHEDULES})
-    optimizer: str = field(default="auto", metadata={"help": "adamw, sgd (momentum 0.9), or auto: adamw for gpt and your own models, sgd for mlp", "choices": OPTIMIZER_CHOICES})
+    optimizer: str = field(default="auto", metadata={"help": "adamw, sgd (momentum 0.9), auto (adamw for gpt and your own models, sgd for mlp), or your own: pkg.module:factory, called with the parameter groups and --lr", "type": _optimizer_arg})
+    weight_decay: float = field(default=0.1, metadata={"help": "adamw's decoupled weight decay, on weight matrices and embeddings only (not on biases or norm parameters)"})
+    betas: str = field(default="0.9,0.95", metadata={"help": "adamw's B1,B2"})
+    scheduler: str = field(default="", metadata={"help": "your own learning-rate schedule, pkg.module:factory, called with the optimizer and --steps, returning a torch LR scheduler stepped once per optimizer step (replaces --warmup/--schedule)"})
     bucket_cap_mb: float | str = field(default=25.0, metadata={"help": "gradient bucket cap in MiB (DDP's default is 25), or 'auto' to measure candidates during the first steps and keep the fastest", "type": _cap_arg})
     seed: int = field(default=0, metadata={"help": "seed for model initialisation and data order"})
     out: str = field(default="", metadata={"help": "run directory for metrics.jsonl, checkpoint.pt and summary.json (default runs/<date-time>)"})
@@ -94,6 +105,8 @@ class TrainConfig:
     drift_every: int = field(default=50, metadata={"help": "compare a checksum of every parameter across workers every N steps and at the end; a mismatch or a NaN/inf parameter stops the run naming it (0: off)"})
     baseline: bool = field(default=False, metadata={"help": "first run a short 1-worker baseline with the same micro-batch and accumulation (in OUT/baseline) to report scaling efficiency (gradsync train only)"})
     baseline_steps: int = field(default=8, metadata={"help": "steps of the --baseline run"})
+    log: str = field(default="", metadata={"help": "also write the metrics through these trackers, comma-separated: tensorboard, csv, wandb, mlflow (each library's own writer, in the run directory; wandb and mlflow offline/local)"})
+    override: str = field(default="", metadata={"help": "on resume, flags that may differ from the checkpoint's run, comma-separated (e.g. lr,schedule): without it a changed --lr, schedule or optimizer is refused"})
     no_report: bool = field(default=False, metadata={"help": "do not write report.html and its figures at the end of the run"})
 
     def __post_init__(self) -> None:
@@ -119,7 +132,7 @@ class TrainConfig:
         elif self.resume is False:
             self.resume = "auto"
         for name, choices in (("backend", BACKENDS), ("strategy", tuple(STRATEGIES)),
-                              ("precision", PRECISIONS), ("optimizer", OPTIMIZER_CHOICES),
+                              ("precision", PRECISIONS),
                               ("resume", RESUME_CHOICES), ("on_nonfinite", NONFINITE_CHOICES),
                               ("balance", BALANCE_CHOICES)):
             if getattr(self, name) not in choices:
@@ -128,6 +141,7 @@ class TrainConfig:
         try:
             _model_arg(self.model)
             _data_arg(self.data)
+            _optimizer_arg(self.optimizer)
         except argparse.ArgumentTypeError as e:
             raise UsageError(str(e)) from None
         if cap == "auto" and self.strategy in FIXED_BUCKETS:
@@ -216,35 +230,3 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-HIDDEN_ALIASES = {"bucket_cap_mb": ["--bucket-mb"]}
-
-
-def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per TrainConfig field, with the field's help text."""
-    for f in fields(TrainConfig):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        meta = dict(f.metadata)
-        help_text = meta.pop("help")
-        if callable(meta.get("choices")):  # a registry, read now: later registrations count
-            meta["choices"] = meta["choices"]()
-        if f.type in (bool, "bool"):
-            parser.add_argument(flag, action="store_true", help=help_text)
-            continue
-        kind = meta.pop("type", None) or {"int": int, "float": float, "str": str}.get(str(f.type), str)
-        default = f.default
-        shown = "" if default in ("", None) else f" (default: {default})"
-        extra = {"nargs": "?", "const": "must"} if f.name == "resume" else {}
-        parser.add_argument(flag, type=kind, default=default, help=help_text + shown,
-                            **meta, **extra)
-        for alias in HIDDEN_ALIASES.get(f.name, ()):
-            parser.add_argument(alias, dest=f.name, type=kind, default=argparse.SUPPRESS,
-                                help=argparse.SUPPRESS)
-
-
-def from_args(args: argparse.Namespace) -> TrainConfig:
-    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
-    return TrainConfig(**values)
