@@ -61,6 +61,8 @@ _LAZY = {
     "train": "gradsync.train.api",
     "TrainConfig": "gradsync.train.config",
     "TrainData": "gradsync.train.task",
+    "Callback": "gradsync.train.callbacks",
+    "CallbackInfo": "gradsync.train.callbacks",
     "FaultInjector": "gradsync.train.faults",
 }
 

@@ -1,10 +1,15 @@
 """``module:factory`` specs: how every command names a user's own model or data.
 
-``gradsync plan memory MODEL``, ``gradsync calibrate --model`` and ``gradsync
-train --model/--data`` all take ``pkg.module:factory``: the module is imported as
-``python -m`` would (the current directory is importable) and ``factory`` is a
-callable in it. Kept outside ``plan/`` and ``train/`` so either may use it without
-importing the other, and free of torch so the planner stays pure.
+``gradsync plan memory MODEL``, ``gradsync calibrate --model``, ``gradsync verify
+--model/--data`` and ``gradsync train --model/--data`` all take ``pkg.module:factory``:
+the module is imported as ``python -m`` would (the current directory is importable)
+and ``factory`` is a callable in it. A file path works too, ``path/to/mycnn.py:build``
+(what people type first): the file's directory goes on ``sys.path`` and the file is
+imported under its own name, so everything it defines has an importable name (the
+workers import it the same way; a relative path is read from the current directory,
+which the workers share). ``No module named`` says where Python looked and how to
+make it look further. Kept outside ``plan/`` and ``train/`` so either may use it
+without importing the other, and free of torch so the planner stays pure.
 """
 
 from __future__ import annotations
@@ -23,17 +28,61 @@ def is_factory_spec(text: str) -> bool:
     return bool(sep and mod and attr)
 
 
+def is_file_spec(mod_name: str) -> bool:
+    """``./mycnn.py``, ``models/cnn.py``: a path rather than a dotted module name."""
+    return mod_name.endswith(".py") or "/" in mod_name or os.sep in mod_name
+
+
+def _import_file(path: str):
+    """Import ``path`` under its file name, its directory first on ``sys.path``."""
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise UsageError(f"cannot import {path!r}: no such file (from {os.getcwd()})")
+    folder, name = os.path.split(full)
+    name = name[:-3] if name.endswith(".py") else name
+    if not name.isidentifier():
+        raise UsageError(f"cannot import {path!r}: {name!r} is not a Python module name; "
+                         "rename the file (letters, digits, underscores)")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module = _import(name, path)
+    where = os.path.abspath(getattr(module, "__file__", "") or "")
+    if where != full:
+        raise UsageError(f"cannot import {path!r}: the name {name!r} is already taken by "
+                         f"{where or 'a built-in module'}; rename the file")
+    return module
+
+
+def _import(mod_name: str, shown: str):
+    try:
+        return importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        top = mod_name.partition(".")[0]
+        if e.name and (e.name == mod_name or mod_name.startswith(e.name + ".") or e.name == top):
+            hint = (f"; run from the directory that holds {top}.py (or the {top}/ package), "
+                    f"or add that directory to PYTHONPATH, or pass the file: "
+                    f"path/to/{mod_name.replace('.', '/')}.py:factory"
+                    if not is_file_spec(shown) else "")
+            raise UsageError(f"cannot import {shown!r}: no module named {e.name!r} on the "
+                             f"path (from {os.getcwd()}){hint}") from None
+        raise UsageError(f"cannot import {shown!r}: it imports {e.name!r}, which is neither "
+                         f"installed nor on the path (from {os.getcwd()})") from None
+    except Exception as e:  # ImportError, or anything the module raises on import
+        relative = "relative import" in str(e)
+        hint = ("; it uses relative imports, so import it as part of its package: "
+                "pkg.module:factory from the package's parent directory") if relative else ""
+        raise UsageError(f"cannot import {shown!r}: {type(e).__name__}: {e}{hint}") from None
+
+
 def load_factory(text: str):
-    """Import ``module:factory`` (the user's own modules too, like ``python -m``)."""
+    """Import ``module:factory`` or ``path/to/file.py:factory`` (the user's own modules
+    too, like ``python -m``)."""
     mod_name, _, attr = str(text).partition(":")
     if not mod_name or not attr:
         raise UsageError(f"expected module:factory, got {text!r}")
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(mod_name)
-    except Exception as e:  # ImportError, or anything the module raises on import
-        raise UsageError(f"cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
+    module = _import_file(mod_name) if is_file_spec(mod_name) else _import(mod_name, mod_name)
     factory = module
     for part in attr.split("."):  # module:Class.method works too
         factory = getattr(factory, part, None)

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.forkserver as forkserver
+import multiprocessing.resource_tracker as resource_tracker
 import os
 import signal
 import sys
@@ -61,6 +62,10 @@ def _start_forkserver() -> None:
     if not _preloaded:
         multiprocessing.set_forkserver_preload(_PRELOAD)
         _preloaded = True
+    # The resource tracker first: starting it *unblocks* SIGINT (multiprocessing's own
+    # block/unblock), which inside our block let the forkserver start with Ctrl-C live
+    # and print an import traceback from its interpreter startup.
+    resource_tracker.ensure_running()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         forkserver.ensure_running()

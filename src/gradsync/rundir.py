@@ -44,6 +44,12 @@ SHARDS = "checkpoint-shards"
 LOCK = "gradsync.lock"
 REPORT = "report.html"
 BASELINE = "baseline"
+# --log trackers (train/trackers/): each library's own files, and the run ids they resume
+TRACKERS = "trackers.json"
+TENSORBOARD_DIR = "tb"
+METRICS_CSV = "metrics.csv"
+WANDB_DIR = "wandb"  # wandb.init(dir=RUN) writes RUN/wandb/
+MLFLOW_DIR = "mlruns"
 
 
 def _drop_none(d: dict, keep: tuple[str, ...]) -> dict:
@@ -68,6 +74,7 @@ class StepRecord:
     grad_norm: float | None = None
     skipped: bool = False
     eval_loss: float | None = None
+    eval_metrics: dict[str, float] | None = None  # TrainData.metrics, beside eval_loss
     time_s: float = 0.0
     unix_time: float = 0.0
     step_time_s: float = 0.0
@@ -125,6 +132,11 @@ class Summary:
     autotune: dict | None
     baseline_samples_per_s: float | None = None
     scaling_efficiency: float | None = None
+    # what the exact all-reduce would send: per bucket, or the whole gradient when not
+    # bucketed; and rank 0's totals over the run (definitions: observe/traffic.py)
+    gradient_bytes: list[int] | None = None
+    sent_bytes: int | None = None
+    exact_bytes: int | None = None
 
     def to_json(self) -> dict:
         return clean(asdict(self))

@@ -138,8 +138,11 @@ def test_train_balances_only_where_the_gradient_is_exact():
 
     assert not TrainConfig(out="x").balanced  # the default: off (bit-reproducible runs)
     assert TrainConfig(out="x", balance="auto").balanced
-    assert not TrainConfig(out="x", balance="auto", sync="diloco").balanced
-    assert not TrainConfig(out="x", balance="auto", compress="int8").balanced
+    # elsewhere it would change nothing: refused, naming what it needs (train/mode_flags.py)
+    for inexact in ({"sync": "diloco"}, {"compress": "int8"}):
+        with pytest.raises(UsageError, match="--balance auto has no effect with .* it needs "
+                                             "--sync exact without --compress"):
+            TrainConfig(out="x", balance="auto", **inexact)
     with pytest.raises(UsageError, match="--straggler"):
         TrainConfig(out="x", straggler="1:2")
     with pytest.raises(UsageError, match="balance"):

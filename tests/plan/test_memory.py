@@ -46,8 +46,9 @@ def test_fp32_grad_accum_is_20_bytes_and_gives_2p_plus_18p_over_n_at_stage_2():
 
 @pytest.mark.parametrize(
     "opt,mixed,total",
-    [("adam", False, 16), ("sgd-momentum", True, 12), ("sgd", True, 8),
-     ("sgd-momentum", False, 12), ("sgd", False, 8)],
+    [("adam", False, 16), ("adamw", False, 16), ("sgd-momentum", True, 12),
+     ("sgd-plain", True, 8), ("sgd-momentum", False, 12), ("sgd-plain", False, 8),
+     ("sgd", True, 12), ("sgd", False, 12)],  # train's sgd has momentum 0.9: one buffer
 )
 def test_optimizer_and_precision_variants(opt, mixed, total):
     assert bytes_per_param(opt, mixed).total == total
@@ -125,7 +126,7 @@ def test_builtin_model_guarded():
 
 @settings(max_examples=60, deadline=None)
 @given(P=st.integers(1, 10**12), N=st.integers(1, 4096),
-       opt=st.sampled_from(["adam", "sgd-momentum", "sgd"]), mixed=st.booleans())
+       opt=st.sampled_from(["adam", "sgd-momentum", "sgd", "sgd-plain"]), mixed=st.booleans())
 def test_stages_never_cost_more_than_the_one_before(P, N, opt, mixed):
     totals = [s.total for s in plan_memory(P, N, opt, mixed).stages]
     assert all(a >= b - 1e-6 * a for a, b in zip(totals, totals[1:]))

@@ -209,14 +209,61 @@ def tiny_gpt2() -> nn.Module:
 
 
 class DictSamples(Dataset):
-    """Samples as one dict (the datasets library's layout), not (input, target)."""
+    """Samples as one dict whose targets are under a key no convention names (transformers'
+    are "labels", which train accepts: tests/train/test_conventions.py)."""
 
     def __len__(self):
         return 8
 
     def __getitem__(self, i):
-        return {"input_ids": torch.zeros(SEQ, dtype=torch.long), "labels": torch.zeros(SEQ)}
+        return {"input_ids": torch.zeros(SEQ, dtype=torch.long), "targets": torch.zeros(SEQ)}
 
 
 def dict_samples() -> Dataset:
     return DictSamples()
+
+
+class _Normed(nn.Module):
+    """tiny64 with a LayerNorm: biases and the norm's gain and bias are not decayed."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, HIDDEN)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.out = nn.Linear(HIDDEN, D_OUT)
+        self.double()
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.norm(self.inp(x))))
+
+
+def normed64() -> nn.Module:
+    return _Normed()
+
+
+def user_adamw(param_groups, lr):
+    """An optimizer factory (``--optimizer``): AdamW with its own betas and decay, which
+    the groups' options (set by --weight-decay/--betas when given) override."""
+    return torch.optim.AdamW(param_groups, lr=lr, betas=(0.8, 0.99), weight_decay=0.5)
+
+
+def halving(optimizer, total_steps):
+    """A scheduler factory (``--scheduler``): the learning rate halves every 2 steps."""
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+def abs_error(output, target):
+    """An eval metric: (sum of |error|, elements) -> the mean absolute error."""
+    return (output - target).abs().sum(), target.numel()
+
+
+def positive(output, target):
+    """An eval metric: the share of outputs with the target's sign."""
+    return int(((output > 0) == (target > 0)).sum()), target.numel()
+
+
+def regression64_metrics() -> gs.TrainData:
+    """regression64 with two metrics beside the held-out loss."""
+    data = regression64()
+    data.metrics = {"mae": abs_error, "sign": positive}
+    return data

@@ -41,7 +41,8 @@ def test_unknown_schedule_is_refused(capsys):
 
 @pytest.mark.timeout(240)
 def test_a_changed_lr_on_resume_is_followed_like_the_schedule(tmp_path):
-    """The state dicts carry the old peak rate; the flags given now decide it."""
+    """The state dicts carry the old peak rate; the flags given now decide it (a changed
+    --lr is refused unless --override lr says so: tests/train/test_resume_identity.py)."""
     import gradsync as gs
     from gradsync.rundir import METRICS, read_metrics
 
@@ -50,6 +51,6 @@ def test_a_changed_lr_on_resume_is_followed_like_the_schedule(tmp_path):
                 drift_every=0, no_report=True, timeout=60,
                 model="tests.train.factories:tiny64", data="tests.train.factories:regression64")
     gs.train(gs.TrainConfig(steps=2, lr=0.01, **base))
-    gs.train(gs.TrainConfig(steps=4, lr=0.03, **base))
+    gs.train(gs.TrainConfig(steps=4, lr=0.03, override="lr", **base))
     lrs = [m["lr"] for m in read_metrics(str(tmp_path / "run" / METRICS))[0]]
     assert lrs == pytest.approx([0.01, 0.01, 0.03, 0.03], rel=1e-12)

@@ -120,14 +120,14 @@ def test_the_example_factories_train(tmp_path):
     assert summary["final_eval_loss"] is not None and summary["optimizer"] == "adamw"
 
 
-def test_a_sample_that_is_not_a_pair_is_a_one_line_error(tmp_path):
+def test_a_dict_sample_without_labels_is_a_one_line_error(tmp_path):
     r = run_cli("--model", "tests.train.factories:padded_lm", "--data",
                 "tests.train.factories:dict_samples", "--steps", "2", "--out",
                 str(tmp_path / "run"))
     err = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(err) == 1, r.stderr[-2000:]
-    assert "a training sample must be an (input, target) pair, got a dict with keys " \
-           "['input_ids', 'labels']" in err[0]
+    assert "a training sample is a dict with keys ['input_ids', 'targets'] and no 'labels'" \
+        in err[0]
 
 
 @pytest.mark.timeout(300)

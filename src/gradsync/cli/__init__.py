@@ -16,6 +16,7 @@ import shlex
 import sys
 
 from ..errors import StorageError, UsageError
+from ..sigint import held
 
 # (module name under gradsync.cli, help line). Adding a command is one line here.
 COMMANDS: list[tuple[str, str]] = [
@@ -25,6 +26,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("simulate", "simulate one step's backward/all-reduce overlap and sweep bucket sizes"),
     ("calibrate", "measure this machine's alpha/beta and the model's backward; write a profile"),
     ("report", "write a run's report.html (loss, throughput, step timeline, memory, drift)"),
+    ("export", "write a run's trained model as safetensors, a torch state dict or hf"),
     ("netlab", "emulated hosts joined by rate-limited links: run, calibrate, check, clean"),
 ]
 
@@ -46,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:  # building the parser imports torch: seconds in which Ctrl-C may come
-        parser = build_parser()
+    try:  # building the parser imports torch: seconds in which Ctrl-C may come, and
+        with held():  # torch's import would swallow it (gradsync.sigint): raised after
+            parser = build_parser()
     except KeyboardInterrupt:
         print("gradsync: interrupted", file=sys.stderr)
         return 130

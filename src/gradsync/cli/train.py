@@ -14,6 +14,7 @@ import shlex
 import sys
 
 from ..errors import UsageError, WorkerFailedError
+from ..sigint import held
 
 EPILOG = """examples:
   gradsync train                                   # 2 workers, small GPT on Python stdlib sources
@@ -78,7 +79,8 @@ def _check_local_sync_world(cfg, plan) -> None:
     was = plan.was_world
     if plan.action != "resume" or cfg.sync == "exact" or not was or was == cfg.workers:
         return
-    raise UsageError(f"{cfg.out} holds a --sync {cfg.sync} run of {was} workers, which continues "
+    raise UsageError(f"{cfg.out} holds a --sync {cfg.sync} run of {was} "
+                     f"worker{'' if was == 1 else 's'}, which continues "
                      f"on {was} only (between syncs every worker holds its own replica and inner "
                      f"optimizer state); continue it with: {continue_command(cfg, was)}")
 
@@ -115,7 +117,8 @@ def baseline_config(cfg):
                    steps=cfg.baseline_steps, warmup=min(cfg.warmup, cfg.baseline_steps),
                    out=os.path.join(cfg.out, "baseline"), trace=False, trace_steps="",
                    drift_every=0, baseline=False, no_report=True, checkpoint_every=0,
-                   eval_every=0, resume="auto", port=0, max_restarts=0)
+                   eval_every=0, resume="auto", port=0, max_restarts=0, log="",
+                   baseline_steps=type(cfg).baseline_steps)  # its default: no --baseline here
 
 
 def _run_baseline(cfg, model_fn=None, data_fn=None) -> None:
@@ -131,7 +134,8 @@ def _run_baseline(cfg, model_fn=None, data_fn=None) -> None:
 
         shutil.rmtree(bcfg.out)  # an unfinished baseline: start it again
     os.makedirs(bcfg.out)
-    print(f"gradsync train: 1-worker baseline, {bcfg.steps} steps, micro-batch "
+    print(f"gradsync train: 1-worker baseline, {bcfg.steps} step{'' if bcfg.steps == 1 else 's'}"
+          f", micro-batch "
           f"{bcfg.micro_batch} x accumulation {bcfg.global_batch // bcfg.micro_batch}",
           flush=True)
     launch(run_worker, 1, (bcfg.to_dict(), model_fn, data_fn, None, True),
@@ -152,13 +156,15 @@ def _report_failure(cfg, err: WorkerFailedError) -> None:
 
 
 def run(args) -> int:
-    from torch.distributed.elastic.multiprocessing import SignalException
+    with held():  # imports (gradsync.sigint): a Ctrl-C meanwhile is raised after them
+        from torch.distributed.elastic.multiprocessing import SignalException
 
-    from ..rundir import METRICS
-    from ..train.api import launch_workers, preflight, repair_summary, usage_error_of
-    from ..train.faults import FaultInjector
-    from ..train.flags import from_args
-    from ..train.instrument import write_report_safely
+        from ..rundir import METRICS
+        from ..train.api import launch_workers, preflight, repair_summary, usage_error_of
+        from ..train.faults import FaultInjector
+        from ..train.flags import from_args
+        from ..train.instrument import write_report_safely
+        from ..train.schedule import finished_line
 
     cfg = from_args(args)
     faults = FaultInjector.from_env()  # the edge: the loop only ever sees the object
@@ -168,14 +174,16 @@ def run(args) -> int:
         if lock.note():
             print(f"gradsync train: {lock.note()}")
         if plan.action == "finished":
-            print(f"gradsync train: {cfg.out} already finished (step {plan.step} of "
-                  f"{cfg.steps}); nothing to do. Pass a larger --steps to train further.")
+            print(finished_line(cfg, plan.step, plan.schedule_steps))
             repair_summary(cfg.out)
             return 0
-        how = (f"continuing from step {plan.step}, checkpointed by {plan.was_world} workers"
+        was = plan.was_world
+        how = (f"continuing from step {plan.step}, checkpointed by {was} "
+               f"worker{'' if was == 1 else 's'}"
                if plan.action == "resume" else "new run")
-        print(f"gradsync train: {cfg.workers} workers, {cfg.model} on {cfg.data}, "
-              f"{cfg.steps} steps, run directory {cfg.out} ({how})", flush=True)
+        print(f"gradsync train: {cfg.workers} worker{'' if cfg.workers == 1 else 's'}, "
+              f"{cfg.model} on {cfg.data}, {cfg.steps} step{'' if cfg.steps == 1 else 's'}, "
+              f"run directory {cfg.out} ({how})", flush=True)
         try:
             if cfg.baseline:
                 _run_baseline(cfg)

@@ -49,14 +49,16 @@ def memory_png(plan: MemoryPlan, path: str) -> None:
     bottom = [0.0] * len(names)
     for part, color in (("params", "#4c78a8"), ("grads", "#f58518"),
                         ("optimizer", "#54a24b"), ("activations", "#b279a2")):
-        vals = [getattr(s, part) / 1e9 for s in plan.stages]
+        vals = [(getattr(s, part) or 0.0) / 1e9 for s in plan.stages]  # None: not estimated
         if any(vals):
             ax.bar(names, vals, bottom=bottom, label=part, color=color)
             bottom = [b + v for b, v in zip(bottom, vals)]
     if plan.device_memory is not None:
         ax.axhline(plan.device_memory / 1e9, color="red", ls="--", label="device memory")
     ax.set_ylabel("GB per device (1e9 B)")
-    ax.set_title(f"P = {plan.num_params:,}, N = {plan.world_size}")
+    unknown = ", activations not estimated" if plan.activations is None else ""
+    ax.set_title(f"P = {plan.num_params:,}, N = {plan.world_size}, {plan.precision}, "
+                 f"{plan.optimizer}{unknown}")
     ax.legend()
     _save(fig, path)
 

@@ -17,21 +17,32 @@ def print_table(table: Table) -> None:
     Console(soft_wrap=False, width=120).print(table)
 
 
-def memory_table(plan: MemoryPlan, source: str = "") -> Table:
+NOT_ESTIMATED = "not estimated"
+"""What a quantity the plan did not estimate shows: never '0 B', which reads as measured."""
+
+
+def memory_table(plan: MemoryPlan, source: str = "", assumes: str = "") -> Table:
+    """``assumes``: the precision and optimizer the plan is for, said in the title."""
     bpp = plan.per_param
+    assumes = assumes or f"{plan.precision}, {plan.optimizer}"
     title = (
         f"Per-device memory, P = {plan.num_params:,} parameters{f' ({source})' if source else ''},"
-        f" N = {plan.world_size}; bytes/param: params {bpp.params:g}, grads {bpp.grads:g},"
-        f" optimizer {bpp.optimizer:g} (GB = 1e9 B)"
+        f" N = {plan.world_size}, {assumes}; bytes/param: params {bpp.params:g}, grads"
+        f" {bpp.grads:g}, optimizer {bpp.optimizer:g} (GB = 1e9 B)"
     )
     t = Table(title=title)
+    if plan.activations is None:
+        t.caption = ("activations not estimated (give --seq-len, --hidden, --layers and "
+                     "--heads): totals" + (" and the fits verdict" if plan.device_memory
+                                           is not None else "") + " count model states only")
     for col in ("strategy", "params", "grads", "optimizer", "activations", "total"):
         t.add_column(col, justify="right" if col != "strategy" else "left")
     if plan.device_memory is not None:
         t.add_column(f"fits {fmt_bytes(plan.device_memory)}?", justify="center")
     for s in plan.stages:
         row = [s.stage, fmt_bytes(s.params), fmt_bytes(s.grads), fmt_bytes(s.optimizer),
-               fmt_bytes(s.activations), fmt_bytes(s.total)]
+               NOT_ESTIMATED if s.activations is None else fmt_bytes(s.activations),
+               fmt_bytes(s.total)]
         if s.fits is not None:
             row.append("[green]fits[/]" if s.fits else "[red]does not fit[/]")
         t.add_row(*row)
@@ -74,8 +85,10 @@ def comm_table(plan: CommPlan) -> Table:
     cols += ["PS ingress", "DP,Z1,Z2 vol", "Z3 vol", "Z3 time"]
     for c in cols:
         t.add_column(c, justify="right")
-    t.caption = ("AR all-reduce, RS reduce-scatter, AG all-gather, PS parameter server; "
-                 "vol = bytes each worker sends per step (DP/ZeRO-1/2: 2P, ZeRO-3: 3P)")
+    t.caption = "\n".join(["AR all-reduce, RS reduce-scatter, AG all-gather, PS parameter "
+                           "server; vol = bytes each worker sends per step (DP/ZeRO-1/2: 2P, "
+                           "ZeRO-3: 3P)", *plan.notes])  # notes: what was assumed or measured
+    t.caption_justify = "left"
     for r in plan.rows:
         row = [str(r.workers), fmt_time(r.ring_s), fmt_time(r.tree_s),
                fmt_time(r.reduce_scatter_s), fmt_time(r.all_gather_s)]

@@ -18,30 +18,12 @@ import time
 from dataclasses import dataclass, field
 
 from ..rundir import REPORT, sync_description, write_bytes, write_text
-from .balance_view import CAPTION as BALANCE_CAPTION
 from .balance_view import balance_rows
-from .figures import make_figures
+from .exactness import exactness_html, run_traffic_line
+from .figures import Figure, make_figures
 from .run_data import RunData, load_run
+from .segments import segments, segments_text
 from .timeline import StepTimeline, measured_step, predicted_step
-
-CAPTIONS = {
-    "loss.png": "Loss: the exact mean over every item of the global batch, per step (dots: "
-                "the held-out loss, exact over the whole held-out set); below, the learning "
-                "rate each step used.",
-    "throughput.png": "Throughput per step; dashed: K times the 1-worker baseline "
-                      "(perfect scaling), when the run had --baseline.",
-    "step_breakdown.png": "Rank 0's step time split into compute (communication hidden "
-                          "behind backward counts here) and exposed communication: time blocked "
-                          "waiting on collectives.",
-    "balance.png": BALANCE_CAPTION,
-    "timeline.png": "One traced step, every rank, next to the simulator's prediction for the "
-                    "same bucket plan (when the planner is installed).",
-    "memory.png": "Peak memory per rank over the run.",
-    "communication.png": "Bytes rank 0 communicated per step; with --compress, on probed "
-                         "steps, how far the compressed gradient was from the exact one "
-                         "(cosine and relative error). --sync exact with no compression is "
-                         "exact by construction.",
-}
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:60rem;color:#222}
 h1{font-size:1.5rem}h2{font-size:1.15rem;margin-top:2rem;border-bottom:1px solid #ddd}
@@ -97,6 +79,7 @@ def _key_numbers(run: RunData) -> list[tuple[str, str]]:
              f"{c.get('strategy', 'ddp')} / {c.get('precision', 'fp32')} / "
              f"{s.get('optimizer') or c.get('optimizer', '?')}"),
             ("synchronisation", sync_description(c)),
+            ("bytes sent (rank 0)", run_traffic_line(run)),
             ("seed", str(c.get("seed", "?"))),
             ("workers", workers),
             ("workers x accumulation x micro-batch",
@@ -116,6 +99,9 @@ def _key_numbers(run: RunData) -> list[tuple[str, str]]:
         rows.append(("steps skipped (NaN/inf)", ", ".join(map(str, skipped))))
     if s.get("resumed_from"):
         rows.append(("resumed from step", str(s["resumed_from"])))
+    segs = segments(m, run.events)
+    if len(segs) > 1:
+        rows.append(("workers per stretch", segments_text(segs)))
     for e in (e for e in run.events if e.get("event") == "restart"):
         failed = e.get("failed") or [{}]
         who = (f"rank {failed[0]['rank']} {failed[0].get('how', 'failed')}" if "rank" in failed[0]
@@ -130,6 +116,8 @@ def _key_numbers(run: RunData) -> list[tuple[str, str]]:
     auto = " (auto-tuned)" if "auto" in (c.get("bucket_cap_mb"), c.get("bucket_mb")) else ""
     if c.get("strategy") == "zero3":
         rows.append(("gradient buckets", "one per wrapped unit (zero3)"))
+    elif c.get("sync", "exact") != "exact":
+        rows.append(("gradient buckets", "none: local updates all-reduce no gradients"))
     elif isinstance(cap, (int, float)):
         rows.append(("bucket cap", f"{_fmt(cap, '.3g')} MiB{auto}"))
     return rows
@@ -155,29 +143,6 @@ def _memory_html(run: RunData) -> str:
             "themselves.</p>" + _table(rows))
 
 
-def _drift_html(run: RunData) -> str:
-    items = sorted({m.get("items") for m in run.metrics if m.get("items") is not None})
-    exact = ("<p>Gradients: each step's gradient is the exact mean over every item of the "
-             "global batch (<code>backward(loss, num_items=n)</code>, summed then divided by "
-             f"the global count); items per step: {_e(', '.join(map(str, items)) or '-')}.</p>")
-    d, c = run.drift, run.config
-    if d is None and (c.get("strategy") == "zero3" or not c.get("drift_every", 1)):
-        return exact + ("<p class='note'>Drift check: off (--drift-every 0).</p>"
-                        if c.get("strategy") != "zero3" else
-                        "<p class='note'>Drift check: not applicable (ZeRO-3: every rank holds "
-                        "a different shard of the parameters).</p>")
-    if d is None:
-        return exact + "<p class='note'>Drift check: not run (--drift-every 0, or the run " \
-                       "stopped before the first check).</p>"
-    if not d.get("ok", True):
-        return exact + (f"<p class='bad'>Drift check FAILED at step {_e(d.get('last_step'))}: "
-                        f"{_e(d.get('error', 'replicas differ'))}</p>")
-    return exact + (f"<p class='ok'>Drift check: replicas identical in all {_e(d.get('checks'))} "
-                    f"check(s) (every {_e(d.get('every'))} steps and at the end; last at step "
-                    f"{_e(d.get('last_step'))}; {_e(d.get('params', '?'))} parameters, bit-exact "
-                    "checksums).</p>")
-
-
 def _steps_table(run: RunData) -> str:
     cols = [("step", "d"), ("loss", ".4f"), ("eval_loss", ".4f"), ("lr", ".3g"),
             ("grad_norm", ".3g"), ("step_time_s", ".4f"), ("compute_s", ".4f"),
@@ -189,7 +154,31 @@ def _steps_table(run: RunData) -> str:
             f"<table id='steps' style='display:none'><tr>{head}</tr>{body}</table>")
 
 
-def render_page(run: RunData, figures: dict[str, bytes], timelines: list[StepTimeline],
+TIMELINE = "timeline.png"
+
+
+def _figure_html(name: str, fig: Figure) -> str:
+    data = base64.b64encode(fig.png).decode("ascii")
+    return (f"<figure><img alt='{_e(name)}' src='data:image/png;base64,{data}'>"
+            f"<figcaption>{_e(fig.caption)} ({_e(name)})</figcaption></figure>")
+
+
+def _timeline_html(run: RunData, figures: dict[str, Figure],
+                   timelines: list[StepTimeline]) -> str:
+    """The traced step, or how to get one: the section is there either way."""
+    head = "<h2>Timeline of one step</h2>"
+    if TIMELINE not in figures:
+        why = ("trace.json holds no complete step" if run.trace is not None else
+               "this run was not traced")
+        return head + (f"<p class='note'>No timeline: {_e(why)}. <code>gradsync train "
+                       "--trace</code> (or <code>--trace-steps FIRST:LAST</code>) records the "
+                       "chosen steps on every rank into trace.json, and this section then "
+                       "draws one of them next to the simulator's prediction.</p>")
+    notes = "".join(f"<p class='note'>{_e(n)}</p>" for t in timelines for n in t.notes)
+    return head + _figure_html(TIMELINE, figures[TIMELINE]) + notes
+
+
+def render_page(run: RunData, figures: dict[str, Figure], timelines: list[StepTimeline],
                 missing: list[str]) -> str:
     parts = [f"<h1>gradsync run report</h1><p class='note'>{_e(os.path.abspath(run.path))} "
              f"&middot; generated {_e(time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime()))}</p>"]
@@ -197,16 +186,10 @@ def render_page(run: RunData, figures: dict[str, bytes], timelines: list[StepTim
         parts.append("<div class='missing'><b>Missing from this run:</b><ul>" + "".join(
             f"<li>{_e(x)}</li>" for x in missing) + "</ul></div>")
     parts.append("<h2>Summary</h2>" + _table(_key_numbers(run)))
-    for name, png in figures.items():
-        data = base64.b64encode(png).decode("ascii")
-        parts.append(f"<figure><img alt='{_e(name)}' src='data:image/png;base64,{data}'>"
-                     f"<figcaption>{_e(CAPTIONS.get(name, name))} ({_e(name)})</figcaption>"
-                     "</figure>")
-        if name == "timeline.png":
-            notes = [n for t in timelines for n in t.notes]
-            parts += [f"<p class='note'>{_e(n)}</p>" for n in notes]
+    parts += [_figure_html(name, fig) for name, fig in figures.items() if name != TIMELINE]
+    parts.append(_timeline_html(run, figures, timelines))
     parts.append(_memory_html(run))
-    parts.append("<h2>Exactness and replica drift</h2>" + _drift_html(run))
+    parts.append("<h2>Exactness and replica drift</h2>" + exactness_html(run))
     if run.metrics:
         parts.append("<h2>Per-step metrics</h2>" + _steps_table(run))
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
@@ -232,9 +215,9 @@ def write_report(run_dir: str) -> ReportResult:
                                "no predicted timeline")
     figures = make_figures(run, measured, predicted)
     pngs = []
-    for name, png in figures.items():  # each atomic: a full disk leaves the old figure
+    for name, fig in figures.items():  # each atomic: a full disk leaves the old figure
         path = os.path.join(run_dir, name)
-        write_bytes(path, png, "a figure of the report")
+        write_bytes(path, fig.png, "a figure of the report")
         pngs.append(path)
     page = render_page(run, figures, [t for t in (measured, predicted) if t], missing)
     out = os.path.join(run_dir, REPORT)

@@ -29,6 +29,7 @@ from ..rundir import (
     read_metrics_file,
     write_json,
 )
+from .sync_mode import first_drift_check
 
 
 @dataclass
@@ -61,15 +62,18 @@ def _expected(run: RunData, name: str) -> bool:
     c = run.config
     if name == TRACE:
         return bool(c.get("trace", True) or c.get("trace_steps"))
-    if name == DRIFT:
-        every = c.get("drift_every", 1)
-        if not every or c.get("strategy") == "zero3":
+    if name == DRIFT:  # where train/instrument.py checks: sync_mode.first_drift_check
+        if not c.get("drift_every", 1) or c.get("strategy") == "zero3":
             return False
-        last = run.metrics[-1].get("step", 0) if run.metrics else 0
-        return last >= every or run.summary is not None
-    if name == PLAN:
-        return c.get("strategy") != "zero3"
+        first = first_drift_check(c)
+        return run.summary is not None or (first is not None and _last_step(run) >= first)
+    if name == PLAN:  # bucketed strategies only: zero3 reduces per unit, diloco has none
+        return c.get("strategy") != "zero3" and c.get("sync", "exact") == "exact"
     return True
+
+
+def _last_step(run: RunData) -> int:
+    return run.metrics[-1].get("step", 0) if run.metrics else 0
 
 
 def load_run(path: str) -> RunData:
@@ -97,8 +101,11 @@ def load_run(path: str) -> RunData:
                            f"({'; '.join(m.dropped[:3])})")
     _load_summary(run)
     for attr, name, cost in (
-        ("trace", TRACE, "no traced step (run with --trace): no measured timeline"),
-        ("drift", DRIFT, "no drift check ran (--drift-every 0, or the run stopped first)"),
+        ("trace", TRACE, "the run was traced, but trace.json was not written (the run "
+                         "stopped before its trace window closed) or was removed: no "
+                         "measured timeline"),
+        ("drift", DRIFT, "the replica check's result is lost, though the run reached a "
+                         "step where one was due"),
         ("plan", PLAN, "bucket plan unknown: no prediction to compare with"),
     ):
         value = _read_json(os.path.join(path, name))

@@ -118,6 +118,26 @@ class CommPlan:
     per_node: int | None
     intra_bandwidth: float | None
     rows: tuple[CommRow, ...]
+    notes: tuple[str, ...] = ()  # where itemsize, bandwidth and alpha came from (assumptions)
+
+
+def link_from_profile(alpha_per_allreduce: float, beta_s_per_byte: float,
+                      world_size: int) -> tuple[float, float]:
+    """(alpha per message, link bandwidth) from ``gradsync calibrate``'s profile.
+
+    The profile charges one all-reduce ``alpha + 2(N-1)/N * bytes * beta`` (beta per byte
+    of the link, ``calibrate.collectives``), so its beta is this model's 1/bandwidth
+    as it is; its alpha is per *all-reduce*, which this model's ring spends in 2(N-1)
+    messages at the calibrated N: alpha per message = alpha / (2(N-1)). A profile
+    measured on one process has no messages to learn from and is refused.
+    """
+    if world_size < 2:
+        raise UsageError(f"the profile was measured on {world_size} process; latency needs "
+                         "two or more (gradsync calibrate --workers 2)")
+    if beta_s_per_byte <= 0:
+        raise UsageError("the profile's link has no bandwidth figure (beta 0); re-run "
+                         "gradsync calibrate")
+    return alpha_per_allreduce / (2 * (world_size - 1)), 1.0 / beta_s_per_byte
 
 
 def plan_comm(

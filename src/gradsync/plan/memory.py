@@ -12,6 +12,14 @@ ZeRO shards what each stage owns across the N data-parallel ranks:
 
 With fp32 gradient accumulation the gradient block is 2P + 4P = 6P (20P in all).
 
+``gradsync plan memory`` defaults to what ``gradsync train`` runs, not to the paper:
+``--precision fp32`` (4-byte parameters and gradients, which are their own master
+copy: Adam 4 + 4 + 8 = 16P, the same total split differently, and ZeRO-1/2 shard
+less of it) and the optimizer ``--optimizer auto`` stands for (AdamW; SGD with
+momentum 0.9 for the built-in mlp). ``--precision bf16`` is the paper's accounting.
+The optimizer names are train's: ``sgd`` keeps a momentum buffer (4 B), as train's
+``sgd`` does; ``sgd-plain`` (no momentum) keeps none.
+
 Why DeepSpeed's estimator prints 2P + 18P/N for stage 2.
 ``estimate_zero2_model_states_mem_needs`` (deepspeed/runtime/zero/stage_1_and_2.py,
 current deepspeedai/DeepSpeed) returns ``2P + int(18P/N)`` without CPU offload, its
@@ -33,7 +41,13 @@ recomputation (attention scores recomputed) 34sbh; with full activation
 checkpointing only the layer input is kept, 2sbh per layer (the paper's count;
 the one layer being recomputed briefly needs its full working set on top, which
 the paper, and so this estimate, leaves out). ZeRO cannot shard
-activations: each rank's micro-batch is its own.
+activations: each rank's micro-batch is its own. The paper's 34 is 16 stored
+tensors of sbh 2-byte values plus two 1-byte dropout masks, and its 5 two such
+as^2b tensors plus one mask, so with i-byte activations (``itemsize``; fp32
+training stores 4-byte ones) a layer holds (16i + 2)sbh + (2i + 1)as^2b, selective
+(16i + 2)sbh, full checkpointing i*sbh. Without a shape the activations are *not
+estimated* (None, shown as such), never 0: a plan that fits on model states alone
+says so.
 """
 
 from __future__ import annotations
@@ -44,8 +58,15 @@ from ..errors import UsageError
 from ..factory import load_factory  # noqa: F401 - re-exported: calibrate imports it here
 
 STAGES = ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
-OPTIMIZERS = ("adam", "sgd-momentum", "sgd")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "sgd-plain")
+STATE_BYTES = {"adamw": 8.0, "adam": 8.0, "sgd": 4.0, "sgd-momentum": 4.0, "sgd-plain": 0.0}
+"""Optimizer state per parameter in fp32: Adam's m and v; SGD's momentum buffer (train's
+``sgd`` is momentum 0.9, so ``sgd`` here keeps one too; ``sgd-plain`` has none)."""
 CHECKPOINTING = ("none", "selective", "full")
+PRECISIONS = ("fp32", "bf16")
+"""``gradsync train --precision``'s choices (a test holds the two lists equal; the planner
+does not import the engine's registry, which imports torch)."""
+ACTIVATION_ITEMSIZE = {"fp32": 4, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -68,16 +89,24 @@ def bytes_per_param(
     mixed-precision Adam): Adam keeps m and v (8 B); mixed precision adds a 4 B fp32
     master copy.
 
-    SGD with momentum keeps one fp32 buffer (4 B), plain SGD none. In fp32
-    training the parameters are their own master copy, so no extra 4 B.
+    SGD with momentum (``sgd``, as train's) keeps one fp32 buffer (4 B), ``sgd-plain``
+    none. In fp32 training the parameters are their own master copy, so no extra 4 B.
     """
     if optimizer not in OPTIMIZERS:
         raise UsageError(f"unknown optimizer {optimizer!r} (choose from {', '.join(OPTIMIZERS)})")
-    state = {"adam": 8.0, "sgd-momentum": 4.0, "sgd": 0.0}[optimizer]
+    state = STATE_BYTES[optimizer]
     if mixed_precision:
         grads = 2.0 + (4.0 if fp32_grad_accum else 0.0)
         return BytesPerParam(params=2.0, grads=grads, optimizer=state + 4.0)
     return BytesPerParam(params=4.0, grads=4.0, optimizer=state)
+
+
+def train_optimizer(optimizer: str, model: str) -> str:
+    """The optimizer ``gradsync train --optimizer auto`` builds for ``model`` (its rule:
+    SGD with momentum for the built-in mlp, AdamW otherwise, a count included)."""
+    if optimizer != "auto":
+        return optimizer
+    return "sgd" if str(model).strip() == "mlp" else "adamw"
 
 
 @dataclass(frozen=True)
@@ -90,9 +119,10 @@ class ActivationShape:
     layers: int
     heads: int
     checkpointing: str = "none"
+    itemsize: int = 2  # bytes per stored activation value: 2 in bf16, 4 in fp32
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "seq_len", "hidden", "layers", "heads"):
+        for name in ("micro_batch", "seq_len", "hidden", "layers", "heads", "itemsize"):
             if getattr(self, name) <= 0:
                 flag = name.replace("_", "-")
                 raise UsageError(f"{flag} must be >= 1, got {getattr(self, name)}")
@@ -102,14 +132,16 @@ class ActivationShape:
 
 
 def activation_bytes(shape: ActivationShape) -> float:
-    """Korthikanti et al. 2022 per-layer coefficients, 16-bit activations, no TP/SP."""
+    """Korthikanti et al. 2022 per-layer coefficients (34 and 5 at 2 bytes; see the
+    module docstring for ``itemsize``), no TP/SP."""
     s, b, h, a, L = shape.seq_len, shape.micro_batch, shape.hidden, shape.heads, shape.layers
-    full_layer = 34 * s * b * h + 5 * a * s * s * b
+    i = shape.itemsize
+    per_sbh = 16 * i + 2  # 34 at 2 bytes
     if shape.checkpointing == "none":
-        return float(L * full_layer)
+        return float(L * (per_sbh * s * b * h + (2 * i + 1) * a * s * s * b))
     if shape.checkpointing == "selective":
-        return float(L * 34 * s * b * h)
-    return float(L * 2 * s * b * h)
+        return float(L * per_sbh * s * b * h)
+    return float(L * i * s * b * h)
 
 
 @dataclass(frozen=True)
@@ -120,8 +152,8 @@ class StageMemory:
     params: float
     grads: float
     optimizer: float
-    activations: float
-    total: float
+    activations: float | None  # None: not estimated (no shape given), not 0 bytes
+    total: float  # model states + activations where estimated
     fits: bool | None
 
 
@@ -132,9 +164,11 @@ class MemoryPlan:
     num_params: int
     world_size: int
     per_param: BytesPerParam
-    activations: float
+    activations: float | None  # None: not estimated
     device_memory: float | None
     stages: tuple[StageMemory, ...] = field(default_factory=tuple)
+    optimizer: str = "adam"
+    precision: str = "bf16"  # "bf16": 16-bit params/grads + fp32 master copy; "fp32"
 
     def stage(self, name: str) -> StageMemory:
         return next(s for s in self.stages if s.stage == name)
@@ -158,7 +192,7 @@ def plan_memory(
         raise UsageError(f"device memory must be > 0, got {device_memory}")
     bpp = bytes_per_param(optimizer, mixed_precision, fp32_grad_accum)
     P, N = float(num_params), float(world_size)
-    act = activation_bytes(activation) if activation is not None else 0.0
+    act = activation_bytes(activation) if activation is not None else None
     shard = {  # which blocks each stage divides by N
         "DP": (1, 1, 1), "ZeRO-1": (1, 1, N), "ZeRO-2": (1, N, N), "ZeRO-3": (N, N, N),
     }
@@ -166,10 +200,11 @@ def plan_memory(
     for name in STAGES:
         dp, dg, do = shard[name]
         p, g, o = bpp.params * P / dp, bpp.grads * P / dg, bpp.optimizer * P / do
-        total = p + g + o + act
+        total = p + g + o + (act or 0.0)
         fits = None if device_memory is None else total <= device_memory
         stages.append(StageMemory(name, p, g, o, act, total, fits))
-    return MemoryPlan(int(num_params), int(world_size), bpp, act, device_memory, tuple(stages))
+    return MemoryPlan(int(num_params), int(world_size), bpp, act, device_memory, tuple(stages),
+                      optimizer, "bf16" if mixed_precision else "fp32")
 
 
 def deepspeed_zero2_estimate(num_params: float, world_size: int, legacy: bool = False) -> float:

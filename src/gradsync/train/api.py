@@ -29,11 +29,14 @@ from ..errors import UsageError, WorkerFailedError
 from ..factory import check_factory, factory_name, is_factory_spec
 from ..rundir import CHECKPOINT
 from . import state
+from .callbacks import check_callbacks
 from .checkpoint import read_header
 from .config import DATASETS, TrainConfig
 from .faults import FaultInjector
 from .guard import RunLock, check_run_dir
+from .loader import take_factories
 from .save_size import space_needed
+from .schedule import finished_line
 from .task import builtin_data
 
 ONE_LINE_ERRORS = ("UsageError", "CheckpointCorrupt", "CheckpointError")
@@ -54,7 +57,13 @@ def preflight(cfg: TrainConfig, model_fn=None) -> tuple[state.ResumePlan, RunLoc
 
     Returns the resume decision and the run directory's lock, held (release it).
     """
-    cfg.accumulation(cfg.workers)
+    try:
+        cfg.accumulation(cfg.workers)
+        split = True
+    except UsageError:  # a continued run keeps its batch: said once its checkpoint is read
+        if not os.path.exists(os.path.join(cfg.out, CHECKPOINT)):
+            raise
+        split = False
     gdist.resolve_backend(cfg.backend)
     if cfg.data in DATASETS:
         try:
@@ -62,7 +71,8 @@ def preflight(cfg: TrainConfig, model_fn=None) -> tuple[state.ResumePlan, RunLoc
         except ValueError as e:  # e.g. a sequence longer than the whole corpus
             raise UsageError(f"--data {cfg.data}: {e}") from None
         if n < cfg.global_batch:
-            raise UsageError(f"--data {cfg.data} holds {n} samples, fewer than one global "
+            raise UsageError(f"--data {cfg.data} holds {n} sample{'' if n == 1 else 's'}, "
+                             "fewer than one global "
                              f"batch ({cfg.global_batch}); every step needs distinct samples")
     if cfg.port:
         _check_port_free(cfg.port)
@@ -72,6 +82,8 @@ def preflight(cfg: TrainConfig, model_fn=None) -> tuple[state.ResumePlan, RunLoc
     try:
         path = os.path.join(cfg.out, CHECKPOINT)
         plan = state.decide(cfg, read_header(path))  # verified: the whole unit, every byte
+        if not split:  # on resume: the worker counts and micro-batches that carry it
+            cfg.accumulation(cfg.workers, resuming=plan.action != "fresh")
     except BaseException:
         lock.release()
         raise
@@ -91,7 +103,8 @@ FLIGHT_ENV = "GRADSYNC_FLIGHT_DIR"
 
 
 def launch_workers(cfg: TrainConfig, model_fn=None, data_fn=None,
-                   faults: FaultInjector | None = None) -> dict | None:
+                   faults: FaultInjector | None = None, factories: dict | None = None,
+                   callbacks: list | None = None) -> dict | None:
     """Start ``cfg.workers`` local workers on a prepared run directory; rank 0's summary."""
     from ..launch import launch
     from .loop import run_worker
@@ -104,7 +117,8 @@ def launch_workers(cfg: TrainConfig, model_fn=None, data_fn=None,
     os.environ[FLIGHT_ENV] = flight
     try:
         results = launch(run_worker, cfg.workers,
-                         (cfg.to_dict(), model_fn, data_fn, faults, True),
+                         (cfg.to_dict(), model_fn, data_fn, faults, True, factories,
+                          callbacks),
                          backend=cfg.backend, timeout_s=cfg.timeout,
                          rdzv_endpoint=f"localhost:{cfg.port}", max_restarts=cfg.max_restarts,
                          on_restart=record_pending(cfg.out, cfg.max_restarts))
@@ -152,7 +166,7 @@ def _config(config, model, data, overrides: dict) -> tuple[TrainConfig, object, 
 
 
 def train(config: TrainConfig | dict | None = None, model=None, data=None, *,
-          faults: FaultInjector | None = None, **overrides) -> dict | None:
+          faults: FaultInjector | None = None, callbacks=None, **overrides) -> dict | None:
     """Train like ``gradsync train``; returns the run summary (rank 0 / the launcher).
 
     Args:
@@ -163,6 +177,10 @@ def train(config: TrainConfig | dict | None = None, model=None, data=None, *,
         data: a factory ``() -> Dataset | TrainData`` or ``"pkg.module:factory"``;
             default ``config.data``.
         faults: a :class:`FaultInjector` (tests of recovery).
+        callbacks: objects with ``on_step_end``/``on_eval``/``on_checkpoint`` (e.g.
+            :class:`gradsync.Callback` subclasses), called on rank 0 (``callbacks.py``).
+        ``optimizer=``/``scheduler=`` (overrides) may be module-level functions, the
+        factories of ``train/optim.py``; they reach the workers pickled.
     Returns None when the run directory held a finished run (nothing is done),
     on ranks other than 0, or after an injected stop.
     """
@@ -171,23 +189,24 @@ def train(config: TrainConfig | dict | None = None, model=None, data=None, *,
         # a worker re-importing the caller's script (forkserver/spawn) reached this call
         raise UsageError("gs.train() was called again inside a worker, from the script's "
                          "top level: call it under `if __name__ == \"__main__\":`")
+    factories = take_factories(overrides)
+    callbacks = check_callbacks(callbacks)
     cfg, model_fn, data_fn = _config(config, model, data, overrides)
     if dist.is_initialized():
         from .loop import run_worker
 
         cfg = dataclasses.replace(cfg, workers=gdist.world_size())
-        return run_worker(cfg.to_dict(), model_fn, data_fn, faults, prepared=False)
+        return run_worker(cfg.to_dict(), model_fn, data_fn, faults, False, factories, callbacks)
     plan, lock = preflight(cfg, model_fn)
     try:
         if lock.note():
             print(f"gradsync train: {lock.note()}", flush=True)
         if plan.action == "finished":
-            print(f"gradsync train: {cfg.out} already finished (step {plan.step} of "
-                  f"{cfg.steps}); nothing to do", flush=True)
+            print(finished_line(cfg, plan.step, plan.schedule_steps), flush=True)
             repair_summary(cfg.out)
             return None
         try:
-            return launch_workers(cfg, model_fn, data_fn, faults)
+            return launch_workers(cfg, model_fn, data_fn, faults, factories, callbacks)
         except WorkerFailedError as e:
             usage = usage_error_of(e)
             if usage is not None:

@@ -1,5 +1,6 @@
 """The built-in datasets and optimizers of `gradsync train`, by name: the registries the
-CLI's choices (``--data``, ``--optimizer``) are derived from.
+CLI's choices (``--data``, ``--optimizer``) are derived from. The built-in optimizers
+are factories with the same contract as the user's own (``optim.py``).
 
 Every built-in dataset holds out its last :data:`HELD_OUT` samples (or a
 twentieth, if smaller) for ``--eval-every``. The number is fixed, not a flag, so
@@ -58,9 +59,18 @@ DATASETS: dict[str, tuple[str, Callable[[int, int], Dataset]]] = {
 DATA_FOR_MODEL = {"gpt": ("pysrc", "random-tokens"), "mlp": ("teacher",)}
 DEFAULT_DATA = {"gpt": "pysrc", "mlp": "teacher"}
 
-OPTIMIZERS: dict[str, Callable[[float], tuple[type, dict]]] = {
-    "adamw": lambda lr: (torch.optim.AdamW, {"lr": lr, "betas": (0.9, 0.95),
-                                             "weight_decay": 0.1}),
-    "sgd": lambda lr: (torch.optim.SGD, {"lr": lr, "momentum": 0.9}),
-}
-"""name -> builder(lr) -> (optimizer class, its keyword arguments)."""
+def adamw(param_groups, lr: float) -> torch.optim.Optimizer:
+    """AdamW as GPT-2/nanoGPT train: betas 0.9/0.95, decoupled weight decay 0.1 (on the
+    ``decay`` group only: ``optim.py`` gives the ``no_decay`` group 0)."""
+    return torch.optim.AdamW(param_groups, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def sgd(param_groups, lr: float) -> torch.optim.Optimizer:
+    """SGD with momentum 0.9, no weight decay unless ``--weight-decay`` is given."""
+    return torch.optim.SGD(param_groups, lr=lr, momentum=0.9)
+
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"adamw": adamw, "sgd": sgd}
+"""name -> factory(param_groups, lr) -> optimizer: the contract of ``--optimizer
+pkg.module:factory`` (``optim.py``); the group options the flags set win over these
+defaults. adamw: the built-in GPT's recipe; sgd: the mlp demo's."""

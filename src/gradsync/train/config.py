@@ -22,7 +22,11 @@ from ..errors import UsageError
 from ..factory import is_factory_spec
 from ..models import MODELS
 from .builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
+from .identity import parse_overrides
+from .mode_flags import check_mode_flags
+from .splits import continue_on
 from .straggler import parse_stragglers
+from .trackers import check_log
 
 OPTIMIZER_CHOICES = ("auto", *OPTIMIZERS)
 RESUME_CHOICES = ("auto", "must", "never")
@@ -66,17 +70,18 @@ class TrainConfig:
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate (linear warm-up, then --schedule)"})
     warmup: int = field(default=20, metadata={"help": "warm-up steps"})
     schedule: str = field(default="cosine", metadata={"help": "after warm-up: cosine decay to 10%% of --lr at the last step, or constant --lr to the end", "choices": SCHEDULES})
+    schedule_steps: int = field(default=0, metadata={"help": "steps the learning-rate schedule is planned over (0: --steps at the run's first launch); recorded in the checkpoint and kept when the run is continued, also past it: the steps beyond train at the schedule's final rate"})
     optimizer: str = field(default="auto", metadata={"help": "adamw, sgd (momentum 0.9), auto (adamw for gpt and your own models, sgd for mlp), or your own: pkg.module:factory, called with the parameter groups and --lr", "type": _optimizer_arg})
-    weight_decay: float = field(default=0.1, metadata={"help": "adamw's decoupled weight decay, on weight matrices and embeddings only (not on biases or norm parameters)"})
-    betas: str = field(default="0.9,0.95", metadata={"help": "adamw's B1,B2"})
-    scheduler: str = field(default="", metadata={"help": "your own learning-rate schedule, pkg.module:factory, called with the optimizer and --steps, returning a torch LR scheduler stepped once per optimizer step (replaces --warmup/--schedule)"})
+    weight_decay: float | None = field(default=None, metadata={"help": "weight decay of the weight matrices and embeddings (never of biases or norm parameters, which get 0); default: the optimizer's own (adamw 0.1, sgd 0, your factory's)", "type": float})
+    betas: str = field(default="", metadata={"help": "B1,B2 of adamw or of your own Adam-like factory (default: adamw's 0.9,0.95, or your factory's)"})
+    scheduler: str = field(default="", metadata={"help": "your own learning-rate schedule, pkg.module:factory, called with the optimizer and the planned steps (--schedule-steps, default --steps), returning a torch LR scheduler stepped once per optimizer step (replaces --warmup/--schedule)"})
     bucket_cap_mb: float | str = field(default=25.0, metadata={"help": "gradient bucket cap in MiB (DDP's default is 25), or 'auto' to measure candidates during the first steps and keep the fastest", "type": _cap_arg})
     seed: int = field(default=0, metadata={"help": "seed for model initialisation and data order"})
     out: str = field(default="", metadata={"help": "run directory for metrics.jsonl, checkpoint.pt and summary.json (default runs/<date-time>)"})
     resume: str = field(default="auto", metadata={"help": "auto: continue the checkpoint in --out if it is of this configuration, start fresh if there is none; must (--resume alone): fail without one; never: fail if one exists", "choices": RESUME_CHOICES})
     backend: str = field(default="auto", metadata={"help": "process-group backend: auto (nccl with CUDA, else gloo), gloo or nccl", "choices": BACKENDS})
-    model: str = field(default="gpt", metadata={"help": "built-in model (gpt: small causal LM; mlp: 8x1024 GELU MLP) or your own, pkg.module:factory (a function returning a torch.nn.Module)", "type": _model_arg})
-    data: str = field(default="", metadata={"help": "built-in data (pysrc, random-tokens for gpt; teacher for mlp) or your own, pkg.module:factory (returning a Dataset of (input, target) or a gradsync.TrainData); default follows --model", "type": _data_arg})
+    model: str = field(default="gpt", metadata={"help": "built-in model (gpt: small causal LM; mlp: 8x1024 GELU MLP) or your own, pkg.module:factory or path/to/file.py:factory (a function returning a torch.nn.Module)", "type": _model_arg})
+    data: str = field(default="", metadata={"help": "built-in data (pysrc, random-tokens for gpt; teacher for mlp) or your own, pkg.module:factory or path/to/file.py:factory (returning a Dataset of (input, target) pairs or of dicts with 'labels', or a gradsync.TrainData); default follows --model", "type": _data_arg})
     strategy: str = field(default="ddp", metadata={"help": "ddp: replicate everything; zero1: shard optimizer state; zero2: also gradients; zero3: also parameters (FSDP)", "choices": lambda: tuple(STRATEGIES)})
     precision: str = field(default="fp32", metadata={"help": "fp32 (the model's own dtype), or bf16: compute in bf16 with fp32 master weights, optimizer state and gradient reduction", "choices": PRECISIONS})
     sync: str = field(default="exact", metadata={"help": "exact: every step's gradient is the exact mean over the global batch; diloco: --sync-every local steps, then an outer Nesterov step on the item-weighted average of where the workers went (arXiv 2311.08105); streaming-diloco: the same in --fragments staggered fragments, overlapped with the next --sync-delay steps (arXiv 2501.18512)", "choices": SYNC_METHODS})
@@ -93,7 +98,7 @@ class TrainConfig:
     seq_len: int = field(default=128, metadata={"help": "tokens per sample for the built-in token data"})
     balance: str = field(default="off", metadata={"help": "auto: split each step's global batch by each worker's measured speed, so a slow worker takes fewer samples and the update stays the exact mean (--sync exact only); the split then depends on timing, so runs are exact to float rounding but no longer bit-reproducible. off: the even split, bit-reproducible. See docs/stragglers.md", "choices": BALANCE_CHOICES})
     straggler: str = field(default="", metadata={"help": "emulate slow workers, for trying --balance: RANK:SPEED[@STEP],... (e.g. 1:0.5@20: rank 1 at half speed from step 20); each micro-batch's compute is followed by a sleep of (1/SPEED - 1) times its duration"})
-    clip: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this value (0 disables)"})
+    clip: float = field(default=0.0, metadata={"help": "clip the global gradient norm to this value; 0 (the default, as torch DDP): off, the norm is still measured and reported"})
     on_nonfinite: str = field(default="stop", metadata={"help": "a NaN/inf loss or gradient norm: stop (before any checkpoint is written, exit 1) or skip-step (skip that optimizer update on every rank)", "choices": NONFINITE_CHOICES})
     checkpoint_every: int = field(default=100, metadata={"help": "save a checkpoint every N steps (and always at the end; 0: only at the end)"})
     eval_every: int = field(default=50, metadata={"help": "evaluate the loss on held-out data every N steps and at the end (0: off)"})
@@ -106,7 +111,7 @@ class TrainConfig:
     baseline: bool = field(default=False, metadata={"help": "first run a short 1-worker baseline with the same micro-batch and accumulation (in OUT/baseline) to report scaling efficiency (gradsync train only)"})
     baseline_steps: int = field(default=8, metadata={"help": "steps of the --baseline run"})
     log: str = field(default="", metadata={"help": "also write the metrics through these trackers, comma-separated: tensorboard, csv, wandb, mlflow (each library's own writer, in the run directory; wandb and mlflow offline/local)"})
-    override: str = field(default="", metadata={"help": "on resume, flags that may differ from the checkpoint's run, comma-separated (e.g. lr,schedule): without it a changed --lr, schedule or optimizer is refused"})
+    override: str = field(default="", metadata={"help": "on resume, flags that may differ from the checkpoint's run, comma-separated (lr, warmup, schedule, schedule-steps, optimizer, weight-decay, betas, scheduler, clip): without it a change to any of them is refused, naming the flag; schedule-steps plans the schedule over the new --steps"})
     no_report: bool = field(default=False, metadata={"help": "do not write report.html and its figures at the end of the run"})
 
     def __post_init__(self) -> None:
@@ -123,6 +128,9 @@ class TrainConfig:
                 raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)!r}")
         if self.warmup < 0 or self.checkpoint_every < 0 or self.clip < 0:
             raise UsageError("--warmup, --checkpoint-every and --clip must be >= 0")
+        if not isinstance(self.schedule_steps, int) or self.schedule_steps < 0:
+            raise UsageError(f"--schedule-steps must be an integer >= 0, got {self.schedule_steps!r}")
+        parse_overrides(self.override)  # names only what may be overridden (train/identity.py)
         if self.eval_every < 0 or self.max_restarts < 0:
             raise UsageError("--eval-every and --max-restarts must be >= 0")
         if not 0 <= self.port <= 65535:
@@ -142,6 +150,7 @@ class TrainConfig:
             _model_arg(self.model)
             _data_arg(self.data)
             _optimizer_arg(self.optimizer)
+            self._check_choices()
         except argparse.ArgumentTypeError as e:
             raise UsageError(str(e)) from None
         if cap == "auto" and self.strategy in FIXED_BUCKETS:
@@ -166,6 +175,8 @@ class TrainConfig:
             self.trace = True
         self.trace_window()
         parse_stragglers(self.straggler)
+        self.log = check_log(self.log)  # unknown trackers, missing packages: refused now
+        check_mode_flags(self)  # --sync-every without --sync diloco: refused, not ignored
 
     def sync_options(self) -> SyncOptions:
         if self.compress.split(":")[0] not in ("none", "bf16", "fp16", "powersgd", "int8"):
@@ -181,9 +192,34 @@ class TrainConfig:
         """Whether steps are split by measured speed: only where the gradient is exact."""
         return self.balance == "auto" and self.sync == "exact" and self.compress == "none"
 
+    def _check_choices(self) -> None:
+        """--weight-decay, --betas, --scheduler (``train/optim.py``)."""
+        if self.weight_decay is not None and not (isinstance(self.weight_decay, (int, float))
+                                                  and self.weight_decay >= 0):
+            raise UsageError(f"--weight-decay must be a number >= 0, got {self.weight_decay!r}")
+        if self.betas_pair and self.optimizer_name == "sgd":  # parses, or names the problem
+            raise UsageError(f"--betas is an Adam option; the optimizer is sgd (--optimizer "
+                             f"{self.optimizer}), which has none")
+        if self.scheduler and not is_factory_spec(self.scheduler):
+            raise UsageError(f"--scheduler takes pkg.module:factory, got {self.scheduler!r}")
+
+    @property
+    def betas_pair(self) -> tuple[float, float] | None:
+        """--betas as (B1, B2); None when not given."""
+        if not self.betas:
+            return None
+        try:
+            pair = tuple(float(v) for v in str(self.betas).split(","))
+        except ValueError:
+            pair = ()
+        if len(pair) != 2 or not all(0 <= b < 1 for b in pair):
+            raise UsageError(f"--betas takes B1,B2, each in [0, 1), got {self.betas!r}")
+        return pair
+
     @property
     def optimizer_name(self) -> str:
-        """The optimizer ``auto`` stands for."""
+        """The built-in optimizer ``auto`` stands for, or the user's factory as
+        ``pkg.module:factory``: what checkpoints record (resume refuses another)."""
         if self.optimizer != "auto":
             return self.optimizer
         return "sgd" if self.model == "mlp" else "adamw"
@@ -214,9 +250,17 @@ class TrainConfig:
                              f"{self.steps}); choose a window within 1:{self.steps}")
         return first, last
 
-    def accumulation(self, world_size: int) -> int:
-        """Micro-steps per optimizer step; the global batch must divide exactly."""
+    def accumulation(self, world_size: int, resuming: bool = False) -> int:
+        """Micro-steps per optimizer step; the global batch must divide exactly.
+        ``resuming``: the global batch is the run's own, so the error lists the worker
+        counts and micro-batches that split it (``train/splits.py``), not other batches."""
         per_step = self.micro_batch * world_size
+        if self.global_batch % per_step and resuming:
+            raise UsageError(
+                f"--global-batch {self.global_batch} is this run's, kept when it continues, "
+                f"and not a multiple of --micro-batch {self.micro_batch} x {world_size} "
+                f"worker{'' if world_size == 1 else 's'} = {per_step}; "
+                + continue_on(self.global_batch, self.micro_batch, world_size))
         if self.global_batch % per_step:
             lower = max(per_step, self.global_batch // per_step * per_step)
             fits = [m for m in range(self.micro_batch, 0, -1)
@@ -224,7 +268,8 @@ class TrainConfig:
             alt = f", or --micro-batch {fits[0]}" if fits else ""
             raise UsageError(
                 f"--global-batch {self.global_batch} is not a multiple of --micro-batch "
-                f"{self.micro_batch} x {world_size} workers = {per_step}; try --global-batch "
+                f"{self.micro_batch} x {world_size} worker{'' if world_size == 1 else 's'} = "
+                f"{per_step}; try --global-batch "
                 f"{lower} or {lower + per_step}{alt}")
         return self.global_batch // per_step
 

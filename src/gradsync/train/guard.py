@@ -16,6 +16,16 @@ workers) holds it in the launching process for the whole run, restarts
 included, so its own workers never contend for it; under ``torchrun`` the
 launcher is not ours, so global rank 0 takes it after connecting -- a restarted
 rank 0 finds the lock its killed predecessor held already released.
+
+A finished run leaves no lock file: ``release`` removes it while still holding the
+lock. Removing a ``flock``ed file is safe only with a check on the other side: a
+process that opened the file just before it was removed can lock the orphaned
+inode after the holder closes it, while a third process creates a new file and
+locks that -- two holders. So ``acquire``, once it holds the lock, checks that the
+path still names the very inode it locked, and starts again if not. A lock file
+that stays behind with a holder in it therefore always means a holder that died
+(taken over, and said so); an empty one, a run interrupted between truncating and
+removing it.
 """
 
 from __future__ import annotations
@@ -97,15 +107,33 @@ class RunLock:
         except ValueError:
             return {}
 
-    def acquire(self) -> RunLock:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    def _same_file(self, fd: int) -> bool:
+        """Whether ``self.path`` still names the inode ``fd`` holds (see the module doc)."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = self._read(fd)
-            os.close(fd)
-            raise UsageError(f"{self.out} is in use by another gradsync run ({_describe(holder)}); "
-                             "wait for it to finish, or choose another --out") from None
+            st, mine = os.stat(self.path), os.fstat(fd)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def _lock(self) -> int:
+        """A descriptor of the lock file, locked, and the file still at ``self.path``."""
+        for _ in range(100):  # each retry means a holder released between open and flock
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self._read(fd)
+                os.close(fd)
+                raise UsageError(f"{self.out} is in use by another gradsync run "
+                                 f"({_describe(holder)}); wait for it to finish, or choose "
+                                 "another --out") from None
+            if self._same_file(fd):
+                return fd
+            os.close(fd)  # we locked a file its holder had just removed: take the new one
+        raise UsageError(f"{self.path} keeps being replaced; is another program removing it?")
+
+    def acquire(self) -> RunLock:
+        fd = self._lock()
         previous = self._read(fd)
         self.took_over = previous or None  # content without a lock: its holder died
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
@@ -126,15 +154,17 @@ class RunLock:
                 f"({_describe(self.took_over)})")
 
     def release(self) -> None:
-        """Empty the file (an empty lock file is a free one), then unlock. A run directory
-        this invocation created and nothing else wrote to (a usage error before the first
-        step) is removed, so a failed start leaves no empty run behind."""
+        """Empty the file, remove it while still holding it (acquirers re-check the inode:
+        see the module docstring), then unlock. A run directory this invocation created
+        and nothing else wrote to (a usage error before the first step) is removed too,
+        so a failed start leaves no empty run behind."""
         if self.fd is None:
             return
         with contextlib.suppress(OSError):
             os.ftruncate(self.fd, 0)
-            if self.created and os.listdir(self.out) == [LOCK]:
+            if self._same_file(self.fd):
                 os.remove(self.path)  # still locked: nobody else is inside
+            if self.created and not os.listdir(self.out):
                 os.rmdir(self.out)
         os.close(self.fd)  # closing the last descriptor drops the flock
         self.fd = None

@@ -22,6 +22,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..engine.local.streaming import StreamingDiLoCo
+from ..engine.strategy.inexact import LocalUpdateStrategy
 from ..engine.sync.drift import check_replicas
 from ..engine.transport import comm
 from ..engine.transport.tracing import Tracer
@@ -42,7 +44,12 @@ class Instruments:
         self.window = cfg.trace_window()
         self.tracer = Tracer(rank) if self.window else None
         self.tracing = False
-        self.drift = {"checks": 0, "ok": True, "every": cfg.drift_every, "last_step": None}
+        # "at": where replicas are expected identical -- "steps" (every N steps and the
+        # end), "syncs" (local updates: after each sync), "end" (streaming: the final sync)
+        at = {"diloco": "syncs", "streaming-diloco": "end"}.get(cfg.sync, "steps")
+        self.drift = {"checks": 0, "ok": True, "every": cfg.drift_every, "last_step": None,
+                      "at": at}
+        self._local_checked: tuple[int, int] | None = None  # (step, inner step) last checked
 
     # ---------------------------------------------------------------- per step
     def begin_step(self, step: int) -> None:
@@ -123,11 +130,21 @@ class Instruments:
                         for b in strategy.bucket_plan],
         }, indent=1)
 
-    def maybe_check_drift(self, step: int, module) -> None:
-        """Replicas bit-identical *and* finite: identical NaNs are drift from the model too."""
-        every = self.cfg.drift_every
-        if not every or not (step % every == 0 or step == self.cfg.steps):
+    def maybe_check_drift(self, step: int, strategy) -> None:  # or a replicated module
+        """Replicas bit-identical *and* finite: identical NaNs are drift from the model too.
+
+        Checked where the strategy makes the replicas identical (``--drift-every 0``:
+        never): replicated ones every ``--drift-every`` steps and at the end. Local
+        updates, whose replicas differ between syncs by design, right after a DiLoCo
+        sync -- the first one, then the first at least ``--drift-every`` steps after
+        the previous check (so never more often than that, and never between syncs)
+        -- and at the end; streaming DiLoCo merges each synced fragment into the local
+        copy, so its replicas agree only after the final sync, at the end. zero3,
+        whose ranks hold different shards: never.
+        """
+        if not self.cfg.drift_every or not self._drift_due(step, strategy):
             return
+        module = strategy if isinstance(strategy, torch.nn.Module) else strategy.module
         try:
             n = check_replicas(module, step=step)
             bad = next((name for name, p in module.named_parameters()
@@ -143,6 +160,20 @@ class Instruments:
         self.drift.update(checks=self.drift["checks"] + 1, last_step=step, params=n)
         self._save_drift()
 
+    def _drift_due(self, step: int, strategy) -> bool:
+        if isinstance(strategy, LocalUpdateStrategy):
+            diloco = strategy.diloco
+            inner, last = diloco.steps, self._local_checked  # a skipped step: no inner step
+            synced = (not isinstance(diloco, StreamingDiLoCo) and inner
+                      and inner % diloco.sync_every == 0 and (last is None or (
+                          inner != last[1] and step - last[0] >= self.cfg.drift_every)))
+            if synced or step == self.cfg.steps:  # the last step ends with a sync
+                self._local_checked = (step, inner)
+                return True
+            return False
+        every, replicated = self.cfg.drift_every, getattr(strategy, "replicated", True)
+        return replicated and (step % every == 0 or step == self.cfg.steps)
+
     def _save_drift(self) -> None:
         if self.rank == 0:
             write_json(os.path.join(self.cfg.out, DRIFT), self.drift, indent=1)
@@ -156,7 +187,10 @@ class Instruments:
 def drift_line(drift: dict) -> str:
     if not drift["every"]:
         return "off"
-    return f"replicas identical ({drift['checks']} checks)" if drift["ok"] else "FAILED"
+    if not drift["ok"]:
+        return "FAILED"
+    where = {"syncs": " after each sync", "end": " after the final sync"}.get(drift.get("at"), "")
+    return f"replicas identical{where} ({drift['checks']} checks)"
 
 
 def finite(x: float | None) -> bool:

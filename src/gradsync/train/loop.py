@@ -5,7 +5,8 @@ Three parts, one file each: :func:`session.setup` (run directory, lock, resume
 decision, strategy, restored state), :func:`step.run_step` (one optimizer step,
 exact over the global batch, guarded against NaN) and :func:`summary.finish`
 (summary.json, table, report). Between steps, here: the bucket plan for the
-report, the drift check, checkpoints, and a fault injector's clean stop.
+report, the drift check, checkpoints, a fault injector's clean stop, and rank 0's
+callbacks (``callbacks.py``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import contextlib
 import signal
 import time
 
+from .callbacks import Callbacks
 from .config import TrainConfig
 from .faults import FaultInjector
+from .loader import given
 from .session import Session, setup
 from .state import save
 from .step import run_step
@@ -28,8 +31,7 @@ def _between_steps(sess: Session, step: int) -> bool:
     if step in (sess.start_step + 1, cfg.steps) or (sess.inst.window and
                                                     step == sess.inst.window[1]):
         sess.inst.write_plan(sess.strategy)
-    if sess.strategy.replicated:
-        sess.inst.maybe_check_drift(step, sess.strategy.module)
+    sess.inst.maybe_check_drift(step, sess.strategy)  # it knows where replicas must agree
     stop = sess.faults.stop_after(step)
     if step == cfg.steps or stop or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
         save(sess, step)
@@ -37,14 +39,17 @@ def _between_steps(sess: Session, step: int) -> bool:
     return stop
 
 
-def train_session(sess: Session) -> dict | None:
+def train_session(sess: Session, callbacks=None) -> dict | None:
     """Run the steps left and finish; rank 0 returns the summary (a dict), others None."""
     cfg = sess.cfg
+    hooks = Callbacks(callbacks, sess.rank)
     sess.loop_started = time.perf_counter()
     with sess.display if sess.display else contextlib.nullcontext():
         for step in range(sess.start_step + 1, cfg.steps + 1):
-            run_step(sess, step)
-            if _between_steps(sess, step):
+            rec = run_step(sess, step)
+            stop = _between_steps(sess, step)
+            hooks.after_step(sess, rec, saved=sess.last_checkpoint == step)
+            if stop:
                 if sess.display:
                     sess.display.say(f"gradsync train: stopped after step {step} (checkpoint "
                                      "saved); run the same command again to continue")
@@ -53,21 +58,25 @@ def train_session(sess: Session) -> dict | None:
 
 
 def run_worker(cfg_dict: dict, model_fn=None, data_fn=None, faults: FaultInjector | None = None,
-               prepared: bool = False) -> dict | None:
+               prepared: bool = False, factories: dict | None = None,
+               callbacks: list | None = None) -> dict | None:
     """Train on this rank; rank 0 returns the run summary (a dict), the others ``None``.
 
     ``model_fn``/``data_fn`` override ``--model``/``--data`` (see ``train/task.py`` for
     their contracts). ``prepared``: the launching process checked the run directory,
-    verified the checkpoint and holds the lock (see ``train/api.py``).
+    verified the checkpoint and holds the lock (see ``train/api.py``). ``factories``:
+    ``--optimizer``/``--scheduler`` names given from Python as objects
+    (``loader.py``); ``callbacks``: run on rank 0 (``callbacks.py``).
     """
     cfg = TrainConfig(**cfg_dict)
+    given(factories or {})
     previous = signal.getsignal(signal.SIGTERM)  # setup makes SIGTERM unwind like Ctrl-C
     try:
         sess = setup(cfg, model_fn, data_fn, faults, prepared)
         if sess is None:  # already finished: nothing to do, nothing written
             return None
         try:
-            return train_session(sess)
+            return train_session(sess, callbacks)
         finally:
             sess.close()
     finally:

@@ -9,7 +9,7 @@ same answer and raises the same error: nobody is left waiting in a collective.
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 import signal
 import time
@@ -21,7 +21,6 @@ from .. import dist as gdist
 from ..data.balance import ShareBalancer
 from ..data.sampler import StepSampler
 from ..engine.strategy.base import Strategy
-from ..engine.strategy.registry import build_strategy
 from ..errors import UsageError
 from ..rundir import (
     CHECKPOINT,
@@ -40,22 +39,13 @@ from .config import TrainConfig
 from .faults import FaultInjector
 from .guard import RunLock, check_run_dir
 from .instrument import Instruments, baseline_rate_of
+from .optim import build_with_optimizer
 from .progress import RunDisplay
 from .restarts import note_restart
 from .save_size import space_needed
+from .schedule import finished_line, lr_factor
 from .straggler import Slowdown
 from .task import Task, build_task
-
-
-def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to 10% of the peak (or the peak, constant)."""
-    if step < cfg.warmup:
-        return (step + 1) / cfg.warmup
-    if cfg.schedule == "constant":
-        return 1.0
-    span = max(1, cfg.steps - cfg.warmup)
-    progress = min(1.0, (step - cfg.warmup) / span)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _interrupt_on_sigterm() -> None:
@@ -157,7 +147,9 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
     started = time.perf_counter()
     info = gdist.info()
     rank, world = info.rank, info.world_size
-    accum = cfg.accumulation(world)  # the same answer (or error) on every rank
+    accum = None  # the same answer (or error) on every rank; the error after the decision,
+    with contextlib.suppress(UsageError):  # as a continued run keeps its global batch
+        accum = cfg.accumulation(world)
     slowdown = Slowdown(cfg.straggler, rank, world)  # likewise
     _interrupt_on_sigterm()
     faults = faults or FaultInjector()
@@ -176,17 +168,21 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
     if outcome[0] == "error":
         raise UsageError(outcome[1])
     plan: state.ResumePlan = outcome[1]
+    cfg.schedule_steps = plan.schedule_steps  # the run's own plan (schedule.py)
+    if accum is None:
+        if lock:
+            lock.release()
+        cfg.accumulation(world, resuming=plan.action != "fresh")  # raises, naming the ways on
     if plan.action == "resume" and cfg.sync != "exact" and plan.was_world not in (None, world):
-        raise UsageError(f"{cfg.out} holds a --sync {cfg.sync} run of {plan.was_world} workers, "
+        was = f"{plan.was_world} worker{'' if plan.was_world == 1 else 's'}"
+        raise UsageError(f"{cfg.out} holds a --sync {cfg.sync} run of {was}, "
                          f"which continues on {plan.was_world} only (between syncs every worker "
                          f"holds its own replica and inner optimizer state); continue it with "
-                         f"{plan.was_world} workers: the same command with --nproc-per-node "
+                         f"{was}: the same command with --nproc-per-node "
                          f"x --nnodes = {plan.was_world} (torchrun) or workers={plan.was_world}")
     if plan.action == "finished":
         if rank == 0:
-            print(f"gradsync train: {cfg.out} already finished (step {plan.step} of "
-                  f"{cfg.steps}); nothing to do. Pass a larger --steps to train further.",
-                  flush=True)
+            print(finished_line(cfg, plan.step, plan.schedule_steps), flush=True)
             if not prepared:
                 from .api import repair_summary
 
@@ -196,14 +192,12 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
         return None
     n = len(task.data.train)
     if n < cfg.global_batch:
-        raise UsageError(f"--data {cfg.data} holds {n} samples, fewer than one global batch "
+        raise UsageError(f"--data {cfg.data} holds {n} sample{'' if n == 1 else 's'}, fewer "
+                         "than one global batch "
                          f"({cfg.global_batch}); every step needs distinct samples")
-    strategy = build_strategy(task.model.to(info.device), cfg.strategy, cfg.precision,
-                              task.optimizer_class, bucket_cap_mb=cfg.bucket_cap_mb,
-                              sync=cfg.sync_options(),
-                              find_unused_parameters=cfg.find_unused_parameters,
-                              **task.optimizer_kwargs)
-    sched = torch.optim.lr_scheduler.LambdaLR(strategy.optimizer, lambda s: lr_factor(s, cfg))
+    strategy, sched = build_with_optimizer(task, cfg, info.device)  # train/optim.py
+    sched = sched or torch.optim.lr_scheduler.LambdaLR(strategy.optimizer,
+                                                       lambda s: lr_factor(s, cfg))
     sess = Session(cfg, rank, world, info.device, info.backend, accum, task, strategy,
                    StepSampler(n, cfg.global_batch, seed=cfg.seed), sched,
                    faults, Instruments(cfg, rank, world, info.device), plan,
@@ -243,3 +237,12 @@ def _open_rank0(sess: Session) -> None:
         workers = "1 worker" if sess.world == 1 else f"{sess.world} workers"
         sess.display.say(f"gradsync train: resuming from step {sess.start_step} of {cfg.steps} "
                          f"({workers}, was {plan.was_world})")
+        for note in plan.notes:  # the schedule past its plan, the overrides applied
+            sess.display.say(f"gradsync train: {note}")
+    if cfg.log:  # --log: the same records through each tracker too (train/trackers/)
+        from .trackers.fanout import open_trackers
+
+        sess.writer = open_trackers(sess.writer, {**cfg.to_dict(), "world_size": sess.world,
+                                                  "optimizer": cfg.optimizer_name},
+                                    plan.action == "resume", sess.start_step, reached,
+                                    plan.run_id, sess.display.say)

@@ -16,10 +16,12 @@ continue on a different number of workers.
 
 What must match to continue a run (:data:`MUST_MATCH`) is what fixes its
 trajectory: the model, the data, the global batch, the seed, the strategy, the
-precision and the optimizer. The number of workers and the micro-batch may
-change (the global batch is then split differently, the set of samples in each
-step is not); the learning rate, schedule length and the rest follow the flags
-given now.
+precision. The number of workers and the micro-batch may change (the global
+batch is then split differently, the set of samples in each step is not), and
+so may ``--steps``. The update rule -- learning rate, schedule and its planned
+length, optimizer and its options, clipping -- changes only where ``--override``
+names it (``identity.py``); a run continued past its planned schedule keeps it
+(``schedule.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from ..engine.transport import comm
 from ..errors import UsageError
 from ..rundir import SHARDS
 from .checkpoint import FORMAT, VERSION, atomic_save, load_checkpoint, storage_error
+from .identity import check as check_identity
+from .identity import optimizer_of
 from .unit import config_digest, identity, new_run_id, shard_record
 
 MUST_MATCH = ("model", "data", "seq_len", "global_batch", "seed", "strategy", "precision",
@@ -55,13 +59,8 @@ class ResumePlan:
     was_world: int | None = None
     world_sizes: tuple[int, ...] = ()
     run_id: str = ""  # drawn when the run starts fresh, kept by every resume (``unit.py``)
-
-
-def _optimizer_of(config: dict) -> str:
-    opt = config.get("optimizer", "auto")
-    if opt != "auto":
-        return opt
-    return "sgd" if config.get("model") == "mlp" else "adamw"
+    schedule_steps: int = 0  # the schedule's planned length, the run's own (``schedule.py``)
+    notes: tuple[str, ...] = ()  # what continuing does to the schedule, the overrides applied
 
 
 def decide(cfg, header: dict | None) -> ResumePlan:
@@ -75,7 +74,8 @@ def decide(cfg, header: dict | None) -> ResumePlan:
         if cfg.resume == "must":
             raise UsageError(f"--resume: no checkpoint in {out} to continue; leave out "
                              "--resume to start a new run there")
-        return ResumePlan("fresh", run_id=new_run_id())
+        return ResumePlan("fresh", run_id=new_run_id(),
+                          schedule_steps=cfg.schedule_steps or cfg.steps)
     step, saved = int(header["step"]), header.get("config") or {}
     if cfg.resume == "never":
         raise UsageError(f"{out} already holds a checkpoint (step {step}); continue it by "
@@ -86,19 +86,17 @@ def decide(cfg, header: dict | None) -> ResumePlan:
             raise UsageError(f"{out} holds a checkpoint of a different run: --"
                              f"{key.replace('_', '-')} was {was!r}, now {now!r}; continue it "
                              "with the same flags, or choose another --out")
-    if _optimizer_of(saved) != cfg.optimizer_name:
-        raise UsageError(f"{out} holds a checkpoint of a different run: the optimizer was "
-                         f"{_optimizer_of(saved)}, now {cfg.optimizer_name}; continue it with "
-                         "the same flags, or choose another --out")
+    planned, notes = check_identity(cfg, saved, header)  # lr, schedule, optimizer, ...
     sizes = tuple(header.get("world_sizes") or (header.get("world_size"),))
     run_id = header.get("run_id") or new_run_id()  # format 2 had none: one from now on
     action = "finished" if step >= cfg.steps else "resume"
-    return ResumePlan(action, step, header.get("world_size"), sizes, run_id)
+    return ResumePlan(action, step, header.get("world_size"), sizes, run_id, planned,
+                      notes if action == "resume" else ())
 
 
 def run_digest(config: dict) -> str:
     """The configuration digest a checkpoint unit carries: what must match to continue."""
-    return config_digest({**_OLD_DEFAULTS, **config, "optimizer": _optimizer_of(config)},
+    return config_digest({**_OLD_DEFAULTS, **config, "optimizer": optimizer_of(config)},
                          (*MUST_MATCH, "optimizer"))
 
 
@@ -125,7 +123,8 @@ def save(sess, step: int) -> None:
                  "optimizer_shards": shard_dir, "scheduler": sess.sched.state_dict(),
                  "sampler": sess.sampler.state_dict(), "balance": sess.balancer.state_dict(),
                  "world_size": sess.world,
-                 "world_sizes": list(sess.world_sizes), "config": cfg.to_dict(),
+                 "world_sizes": list(sess.world_sizes),
+                 "config": {**cfg.to_dict(), "optimizer": cfg.optimizer_name},  # auto resolved
                  "strategy_extra": strategy.extra_state(), "loss": sess.last_loss,
                  "rng": torch.get_rng_state(), "unit": {**ident, "shards": shards}},
                 sess.ckpt_path, before_replace=lambda: sess.faults.at_save(0, step))
@@ -180,8 +179,11 @@ def _follow_current_lr(sched, base: list[float]) -> None:
 
     The optimizer's and scheduler's saved state carry the old run's peak rate
     (``initial_lr``, ``base_lrs``) and its current rate; restored as they are, a
-    changed ``--lr`` would be ignored while config.json recorded it.
+    changed ``--lr`` (allowed by ``--override lr``, ``identity.py``) would be ignored
+    while config.json recorded it. Without an override the two agree anyway.
     """
+    if not hasattr(sched, "lr_lambdas"):  # --scheduler: the user's own, restored as saved
+        return
     sched.base_lrs = base
     for group, peak, factor in zip(sched.optimizer.param_groups, base, sched.lr_lambdas):
         group["initial_lr"] = peak

@@ -7,7 +7,8 @@ samples) and this rank cuts its part into ``accumulation`` micro-batches; runs a
 the last micro-batch under ``no_sync()`` and calls ``backward(loss,
 num_items=n)``, so the gradient is the exact mean over every item of the global
 batch. Then, before the optimizer may touch anything: the global gradient norm
-(clipped to ``--clip``) and one all-gather of every rank's loss sum, item count,
+(clipped to ``--clip`` when it is set; off by default, as in torch DDP, but always
+measured: the NaN guard reads it) and one all-gather of every rank's loss sum, item count,
 gradient norm and step figures. Every rank so learns the exact global mean loss
 and whether any rank saw a NaN or inf -- and decides alike: ``--on-nonfinite
 stop`` raises on every rank before the update (no checkpoint can hold a diverged
@@ -26,6 +27,7 @@ import torch
 from ..engine.transport import comm, tracing
 from ..errors import GradsyncError
 from ..rundir import StepRecord
+from .eval_metrics import metric_sums, metric_values
 from .session import Session
 
 
@@ -108,13 +110,14 @@ def run_step(sess: Session, step: int) -> StepRecord:
     saved = balance(sess, step, figures["share_by_rank"], figures["busy_s_by_rank"])
     sess.inst.end_step(step)
     stop = problem is not None and cfg.on_nonfinite == "stop"
-    eval_loss = None if stop else maybe_evaluate(sess, step)
+    eval_loss, eval_metrics = (None, None) if stop else maybe_evaluate(sess, step)
     sess.last_loss = global_loss
     sess.items_per_step = int(total_items)
     rate = total_items / step_s
     rec = StepRecord(step=step, loss=global_loss, lr=lr, items=int(total_items),
                      world_size=sess.world, grad_norm=norm if problem is None else None,
                      skipped=problem is not None, eval_loss=eval_loss,
+                     eval_metrics=eval_metrics,
                      time_s=time.perf_counter() - sess.loop_started, unix_time=time.time(),
                      samples_per_s=cfg.global_batch / step_s,
                      tokens_per_s=rate if sess.unit == "tokens" else None,
@@ -152,19 +155,21 @@ def balance(sess: Session, step: int, shares: list[int], busy: list[float]) -> f
     return sess.balancer.saved_s
 
 
-def maybe_evaluate(sess: Session, step: int) -> float | None:
+def maybe_evaluate(sess: Session, step: int) -> tuple[float | None, dict | None]:
+    """(held-out loss, metrics) on an evaluation step, else (None, None)."""
     every = sess.cfg.eval_every
     if not every or sess.task.data.eval is None:
-        return None
+        return None, None
     if step % every and step != sess.cfg.steps:
-        return None
-    sess.last_eval = evaluate(sess)
-    return sess.last_eval
+        return None, None
+    sess.last_eval, metrics = evaluate(sess)
+    return sess.last_eval, metrics if sess.task.data.metrics else None
 
 
 @torch.no_grad()
-def evaluate(sess: Session) -> float | None:
-    """The exact mean loss over the whole held-out set, the same number on every rank.
+def evaluate(sess: Session) -> tuple[float | None, dict[str, float]]:
+    """The exact mean loss over the whole held-out set, the same number on every rank,
+    and ``TrainData.metrics`` over it (``eval_metrics.py``), in the same all-reduce.
 
     Rank ``r`` takes samples ``r, r + K, ...``, a training step's share at a time
     (no activations are kept for backward, so a forward of that size fits); every
@@ -173,12 +178,13 @@ def evaluate(sess: Session) -> float | None:
     counts for nothing.
     """
     data, task, model = sess.task.data.eval, sess.task, sess.strategy.model
+    metrics = task.data.metrics
     mine = list(range(sess.rank, len(data), sess.world))
     m = sess.cfg.global_batch // sess.world
     rounds = math.ceil(math.ceil(len(data) / sess.world) / m)
     was_training = model.training
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2 + 2 * len(metrics or ()), dtype=torch.float64)
     try:
         for r in range(rounds):
             idx = mine[r * m:(r + 1) * m]
@@ -186,10 +192,13 @@ def evaluate(sess: Session) -> float | None:
             out = _forward(model, x)  # every rank, every round (see above)
             n = task.items(x, y) if idx else 0
             if n:  # none: nothing left here, or padding only (its loss is 0/0)
-                total += torch.tensor([float(task.data.loss_fn(out, y)) * n, n],
-                                      dtype=torch.float64)
+                total[:2] += torch.tensor([float(task.data.loss_fn(out, y)) * n, n],
+                                          dtype=torch.float64)
+            if idx and metrics:
+                total[2:] += torch.tensor(metric_sums(metrics, out, y), dtype=torch.float64)
     finally:
         model.train(was_training)
     total = total.to(sess.device)
     comm.all_reduce(total, tag="eval_loss")
-    return float(total[0] / total[1]) if total[1] > 0 else None  # None: no held-out items
+    loss = float(total[0] / total[1]) if total[1] > 0 else None  # None: no held-out items
+    return loss, metric_values(metrics, total[2:].cpu())

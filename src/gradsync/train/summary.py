@@ -6,6 +6,8 @@ import dataclasses
 import os
 import time
 
+from ..engine.strategy.inexact import LocalUpdateStrategy
+from ..observe.traffic import run_traffic, traffic_line
 from ..rundir import METRICS, SUMMARY, Summary, read_metrics, sync_description, write_json
 from .instrument import drift_line, write_report_safely
 from .session import Session
@@ -22,6 +24,18 @@ def _skipped(sess: Session) -> list[int]:
     """Steps whose update was skipped over the whole run (all attempts), from metrics.jsonl."""
     rows, _ = read_metrics(os.path.join(sess.cfg.out, METRICS))
     return sorted({r["step"] for r in rows if r.get("skipped")} | set(sess.skipped))
+
+
+def gradient_bytes(strategy) -> list[int] | None:
+    """What an exact all-reduce of one step's gradients reduces: each bucket's bytes, or the
+    whole trainable gradient for a local-update run (no buckets); None for zero3, whose
+    units reduce per wrapped module and record no bytes sent."""
+    if strategy.bucket_plan:
+        return [int(b.nbytes) for b in strategy.bucket_plan]
+    if isinstance(strategy, LocalUpdateStrategy):
+        return [sum(p.numel() * p.element_size() for p in strategy.module.parameters()
+                    if p.requires_grad)]
+    return None
 
 
 def build_summary(sess: Session) -> Summary:
@@ -47,6 +61,11 @@ def build_summary(sess: Session) -> Summary:
         autotune=None if tuned is None else {"candidates_mb": tuned.candidates_mb,
                                              "median_s": tuned.median_s,
                                              "chosen_mb": tuned.chosen_mb})
+    summary.gradient_bytes = gradient_bytes(strategy)
+    rows, _ = read_metrics(os.path.join(cfg.out, METRICS))  # every attempt's steps
+    traffic = run_traffic(rows, summary.gradient_bytes)
+    if traffic is not None:
+        summary.sent_bytes, summary.exact_bytes = traffic.sent, traffic.exact
     if sess.baseline_rate and summary.samples_per_s:
         summary.baseline_samples_per_s = sess.baseline_rate
         summary.scaling_efficiency = summary.samples_per_s / (sess.world * sess.baseline_rate)
@@ -79,7 +98,9 @@ def finish(sess: Session) -> dict | None:
         ("scaling efficiency vs 1 worker",
          f"{s.scaling_efficiency:.0%}" if s.scaling_efficiency
          else "n/a (1 worker)" if s.world_size == 1 else "(run with --baseline)"),
-        ("drift check", drift_line(sess.inst.drift) if sess.strategy.replicated
+        ("bytes sent (rank 0)", _traffic_line(cfg, s)),
+        ("drift check", drift_line(sess.inst.drift)
+         if sess.strategy.replicated or isinstance(sess.strategy, LocalUpdateStrategy)
          else f"n/a ({sess.strategy.not_replicated_because})"),
         ("gradient buckets", _buckets_line(s, tuned)),
         ("straggler balancing", _balance_line(sess)),
@@ -97,6 +118,11 @@ def finish(sess: Session) -> dict | None:
     if not cfg.no_report:
         write_report_safely(cfg.out)
     return s.to_json()
+
+
+def _traffic_line(cfg, s: Summary) -> str:
+    rows, _ = read_metrics(os.path.join(cfg.out, METRICS))
+    return traffic_line(run_traffic(rows, s.gradient_bytes), cfg.strategy)
 
 
 def _balance_line(sess: Session) -> str:

@@ -22,10 +22,12 @@ The factories' contracts (also in docs/train.md and ``examples/``):
   samples). A :class:`TrainData` says it all explicitly and may carry a held-out set.
 * inputs: a tensor is passed as ``model(input)``; a dict (``{"input_ids": ...,
   "attention_mask": ...}``) as ``model(**input)``. Samples are batched with torch's
-  ``default_collate`` unless a ``collate_fn`` is given. The default losses read an
-  output with a ``logits`` field (transformers' ModelOutput) through it. Targets
-  are used as given: for a causal LM they are the *next* tokens (shifted by the
-  data, not by the model; do not pass ``labels`` to a transformers model).
+  ``default_collate`` unless a ``collate_fn`` is given. A sample may also be a dict
+  with ``"labels"`` (transformers' layout) and a ``collate_fn`` may return one; the
+  default losses read a ModelOutput through ``logits`` and a tuple as ``(logits,
+  ...)`` (``conventions.py`` has the rules, including the causal-LM shift when
+  ``labels`` equal ``input_ids``). Other targets are used as given: for a causal LM
+  in ``(input, target)`` pairs they are the *next* tokens (shifted by the data).
 """
 
 from __future__ import annotations
@@ -36,13 +38,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from ..errors import UsageError
 from ..factory import factory_name, is_factory_spec, load_factory
 from ..models import build_model
-from .builtins import DATASETS, OPTIMIZERS, split_held_out
+from .builtins import DATASETS, split_held_out
 from .config import TrainConfig
+from .conventions import IGNORE_INDEX, causal_lm_layout, labelled, shifted_lm_loss
+from .conventions import logits as _logits
+from .conventions import shifted_token_items as _shifted_token_items
+from .conventions import stack as _stack
+from .eval_metrics import check_metrics
+from .optim import optimizer_factory, scheduler_factory
 
 
 @dataclass
@@ -56,6 +64,9 @@ class TrainData:
         items_fn: ``(input, target) -> int``, how many items that mean is over.
         collate_fn: ``list of (input, target) -> (inputs, targets)`` (default: stack).
         item_name: what an item is, for throughput ("tokens", "samples").
+        metrics: ``{name: fn(output, target) -> (sum, count)}``, evaluated on ``eval``
+            beside the held-out loss: sums and counts are added over every held-out
+            batch of every rank, and ``sum / count`` is reported (``eval_metrics.py``).
     Missing loss/items follow the target dtype (see the module docstring).
     """
 
@@ -65,14 +76,15 @@ class TrainData:
     items_fn: Callable | None = None
     collate_fn: Callable | None = None
     item_name: str | None = None
+    metrics: Mapping[str, Callable] | None = None
 
 
 @dataclass
 class Task:
     model: nn.Module
     data: TrainData
-    optimizer_class: type
-    optimizer_kwargs: dict
+    optimizer_factory: Callable  # (param_groups, lr) -> Optimizer (train/optim.py)
+    scheduler_factory: Callable | None  # (optimizer, total_steps) -> LRScheduler; None: built-in
     model_name: str
     data_name: str
 
@@ -81,21 +93,6 @@ class Task:
 
     def items(self, x, y) -> int:
         return int(self.data.items_fn(x, y))
-
-
-IGNORE_INDEX = -100
-"""A target that is not an item: F.cross_entropy's default ``ignore_index`` (padding)."""
-
-
-def _logits(output):
-    """The tensor a default loss reads: transformers' ModelOutput (or a dict) through its
-    ``logits``, anything else as it is."""
-    if isinstance(output, Mapping):
-        if "logits" not in output:
-            raise UsageError(f"the model returned a dict with keys {sorted(output)}; the default "
-                             "loss reads 'logits': return it, or give TrainData a loss_fn")
-        return output["logits"]
-    return getattr(output, "logits", output)
 
 
 def _lm_loss(output, targets):
@@ -118,18 +115,6 @@ def _mse_loss(output, targets):
                              f"targets {tuple(targets.shape)}: the default mean squared error "
                              "needs the same shape (or give TrainData a loss_fn)")
     return F.mse_loss(pred, targets)
-
-
-def _stack(samples):
-    first = samples[0]
-    if not (isinstance(first, (tuple, list)) and len(first) == 2):
-        what = (f"a dict with keys {sorted(first)}" if isinstance(first, Mapping)
-                else f"a {type(first).__name__}")
-        raise UsageError(f"a training sample must be an (input, target) pair, got {what}; "
-                         "return (input, target) from the dataset, or give "
-                         "gradsync.TrainData a collate_fn that builds (inputs, targets)")
-    x, y = default_collate(samples)
-    return x, y
 
 
 def _token_items(x, y) -> int:
@@ -156,16 +141,20 @@ def complete(data: TrainData | Dataset) -> TrainData:
         data = TrainData(data)
     if len(data.train) < 1:
         raise UsageError("the training dataset is empty")
-    collate = data.collate_fn or _stack
+    collate = _stack if data.collate_fn is None else labelled(data.collate_fn)
     if data.loss_fn is None or data.items_fn is None or data.item_name is None:
-        _, y = collate([data.train[0]])
+        x, y = collate([data.train[0]])
         integer = not torch.is_floating_point(y)
+        if integer and causal_lm_layout(x, y):  # transformers' labels == input_ids: shift
+            data.loss_fn = data.loss_fn or shifted_lm_loss
+            data.items_fn = data.items_fn or _shifted_token_items
         data.loss_fn = data.loss_fn or (_lm_loss if integer else _mse_loss)
         data.items_fn = data.items_fn or (_token_items if integer else _sample_items)
         # integer targets, one per sample (classification): the items are samples;
         # a sequence of them per sample (language modelling): tokens
         data.item_name = data.item_name or ("tokens" if integer and y.dim() > 1 else "samples")
     data.collate_fn = collate
+    check_metrics(data.metrics, data.eval)
     return data
 
 
@@ -199,6 +188,5 @@ def build_task(cfg: TrainConfig, model_fn: Callable | None = None,
     _refuse_meta(model, cfg.model)
     data_fn = data_fn or (load_factory(cfg.data) if is_factory_spec(cfg.data) else None)
     data = complete(data_fn()) if data_fn is not None else builtin_data(cfg.data, cfg)
-    opt_cls, opt_kwargs = OPTIMIZERS[cfg.optimizer_name](cfg.lr)
-    return Task(model, data, opt_cls, opt_kwargs, cfg.model, cfg.data)
+    return Task(model, data, optimizer_factory(cfg), scheduler_factory(cfg), cfg.model, cfg.data)
 

@@ -1,0 +1,38 @@
+"""`gradsync export RUN --format safetensors|torch|hf DIR`: the trained model, out of a run."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub, help_line: str) -> argparse.ArgumentParser:
+    from ..train.export import FORMATS
+
+    p = sub.add_parser(
+        "export", help=help_line,
+        description=help_line[0].upper() + help_line[1:] + ". The run's checkpoint is "
+        "verified first (a damaged one is refused); ZeRO and stage-3 shards are joined into "
+        "one model (fp32 master weights of a bf16 run). The model is rebuilt from the run's "
+        "--model and loaded before it is written, so the export is known to fit it. "
+        "See docs/logging-and-export.md.",
+    )
+    p.add_argument("run_dir", metavar="RUN", help="a run directory (gradsync train --out)")
+    p.add_argument("dest", metavar="DIR", help="where to write the model (created if needed)")
+    p.add_argument("--format", required=True, choices=FORMATS,
+                   help="safetensors: DIR/model.safetensors (tied weights stored once); "
+                        "torch: DIR/model.pt, the state dict; hf: save_pretrained(DIR), for a "
+                        "transformers model")
+    p.add_argument("--model", default=None, metavar="SPEC",
+                   help="rebuild the model from this pkg.module:factory (or built-in name) "
+                        "instead of the run's --model")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args) -> int:
+    from ..train.export import export_run
+
+    r = export_run(args.run_dir, args.format, args.dest, model=args.model)
+    print(f"gradsync export: step {r.step} of {r.run} ({r.strategy}, {r.precision}; "
+          f"{r.weights}) -> {args.dest}: {', '.join(r.files)}")
+    return 0
