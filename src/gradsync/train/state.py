@@ -153,7 +153,14 @@ def load(sess) -> int:
         load_sharded(os.path.join(cfg.out, state["optimizer_shards"]), *target, expect=expect)
     else:
         strategy.load_full_state_dict(state["model"])
-        strategy.load_optimizer_state_dict(state["optimizer"])
+        try:
+            strategy.load_optimizer_state_dict(state["optimizer"])
+        except ValueError as e:  # torch: "... different number of parameter groups", sizes
+            raise UsageError(
+                f"{sess.ckpt_path}: its optimizer state does not fit the optimizer built now "
+                f"({e}); a checkpoint written before biases and norms got their own no-decay "
+                "parameter group holds one group where there are now two. Continue it with "
+                "the gradsync version that wrote it, or start afresh in another --out") from None
     strategy.load_extra_state(state.get("strategy_extra") or {})
     base = list(sess.sched.base_lrs)  # the peak learning rates the flags give now
     sess.sched.load_state_dict(state["scheduler"])
