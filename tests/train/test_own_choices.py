@@ -235,7 +235,11 @@ def test_factory_results_are_checked():
     model, fo = _factory_optimizer(lambda groups, lr: torch.optim.SGD(other.parameters(), lr))
     with pytest.raises(UsageError, match="other tensors than the param_groups"):
         fo(model.parameters())
-    assert gs.TrainConfig(out="u").clip == 0.0  # off by default, as torch DDP
+    # off by default, as torch DDP, but for the built-in gpt's own recipe
+    assert gs.TrainConfig(out="u", model="mlp").clip == 0.0
+    assert gs.TrainConfig(out="u", model="tests.train.factories:tiny64",
+                          data="tests.train.factories:regression64").clip == 0.0
+    assert gs.TrainConfig(out="u").clip == 1.0 and gs.TrainConfig(out="u", clip=0).clip == 0
     model, fo = _factory_optimizer(lambda groups, lr: torch.optim.LBFGS(
         [p for g in groups for p in g["params"]]), sharded=True)
     with pytest.raises(UsageError, match="cannot run on shards"):
