@@ -11,11 +11,8 @@ import torch
 os.environ.setdefault("GRADSYNC_TIMEOUT_S", "60")
 torch.set_num_threads(1)
 
-# The suite runs on three pytest-xdist workers, a file at a time (pyproject: -n 3
+# The suite runs on two pytest-xdist workers, a file at a time (pyproject: -n 2
 # --dist loadfile): most tests wait on processes, sockets and timeouts rather than
-# compute (a serial run used 15.7 CPU-minutes in 22 wall-minutes on 2 cores; at
-# -n 2, 742 tests used 21 CPU-minutes in 18.9 wall-minutes, 1.1 of the 2 cores), so
-# a third file at a time fills the idle core. Every test passed at a load average
-# of 6-8 (a full run beside five other jobs), which is what a third worker risks.
-# Scheduling the longest files first was tried and was slower (16.9 against 15.5
-# minutes at -n 2): the heavy runs then overlap.
+# compute (a serial run used 15.7 CPU-minutes in 22 wall-minutes on 2 cores), so two
+# at once cut the wall time to about 15.5 minutes. Scheduling the longest files
+# first was tried and was slower (16.9 minutes): the heavy runs then overlap.
