@@ -41,6 +41,7 @@ RANK = {
     "plan": 4,
     "calibrate": 5, "checks": 5,
     "observe": 6,
+    "ft": 6.5,  # replica groups on torchft: above the engine and data, below train, its caller
     "netlab": 7, "train": 7,
     "cli": 8, "__main__": 9,  # `python -m gradsync` runs the CLI
 }

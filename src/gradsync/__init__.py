@@ -47,6 +47,7 @@ _LAZY = {
     "gradient_distance": "gradsync.engine.compress",
     "Compressor": "gradsync.engine.compress",
     "CompressedBuckets": "gradsync.engine.compress",
+    "HostCompressedBuckets": "gradsync.engine.compress",
     "CompressionStats": "gradsync.engine.compress",
     "HalfPrecisionCompressor": "gradsync.engine.compress",
     "Int8Compressor": "gradsync.engine.compress",

@@ -93,6 +93,13 @@ class StepRecord:
     share_by_rank: list[int] = field(default_factory=list)  # samples each rank took
     busy_s_by_rank: list[float] = field(default_factory=list)  # compute: step minus blocked
     balance_saved_s: float | None = None  # vs the even split, from this step's rates
+    # across replica groups (--ft-group): the groups whose gradients the step summed, the
+    # attempts it took, seconds lost in failed ones, seconds its quorum took, healed here
+    quorum: list[int] | None = None
+    attempts: int | None = None
+    lost_s: float | None = None
+    quorum_s: float | None = None
+    healed: bool | None = None
 
     def to_json(self) -> dict:
         return _drop_none(asdict(self), keep=("loss", "grad_norm"))
@@ -137,6 +144,9 @@ class Summary:
     gradient_bytes: list[int] | None = None
     sent_bytes: int | None = None
     exact_bytes: int | None = None
+    collectives: str | None = None  # what --collectives auto chose (Strategy.collectives)
+    # across replica groups (--ft-group): this group's failures, heals and seconds lost
+    fault_tolerance: dict | None = None
 
     def to_json(self) -> dict:
         return clean(asdict(self))
@@ -148,17 +158,28 @@ class Summary:
         return cls(**{n: d.get(n) for n in names})
 
 
-def sync_description(config: dict) -> str:
-    """How a run synchronised, in words, from its config (train's table and the report)."""
+def collectives_text(asked: str, chosen: str | None) -> str:
+    """``--collectives`` in words: what ``auto`` chose (``chosen``, from summary.json) or
+    the flag's value; empty for a plain native run."""
+    if asked == "auto":
+        return f"{chosen} collectives (auto)" if chosen else "collectives chosen by auto"
+    return "" if asked == "native" else f"{asked} collectives"
+
+
+def sync_description(config: dict, chosen: str | None = None) -> str:
+    """How a run synchronised, in words, from its config (train's table and the report);
+    ``chosen``: the collectives ``--collectives auto`` resolved to, where known."""
     method = config.get("sync", "exact")
     compress = config.get("compress", "none")
+    asked = config.get("collectives", "native")
+    how = collectives_text(asked, chosen)
+    two_level = (chosen if asked == "auto" else asked) == "hierarchical"
     if method == "exact":
-        text = "exact"
-        if config.get("collectives", "native") != "native":
-            text += f", {config['collectives']} collectives"
-        if compress != "none":
-            text = f"{compress}-compressed gradients (not exact)"
-        return text
+        if compress == "none":
+            return "exact" + (f", {how}" if how else "")
+        where = " across hosts, exact inside each" if two_level else ""
+        return f"{compress}-compressed gradients{where}" + (f", {how}" if how else "") \
+            + " (not exact)"
     text = (f"{'streaming ' if method == 'streaming-diloco' else ''}DiLoCo, "
             f"H={config.get('sync_every')}")
     if method == "streaming-diloco":
@@ -167,4 +188,6 @@ def sync_description(config: dict) -> str:
     text += f", outer SGD lr {config.get('outer_lr')} momentum {config.get('outer_momentum')}"
     if compress != "none":
         text += f", {compress} pseudo-gradients"
+    if two_level:
+        text += ", a worker per host"
     return text + " (not exact)"

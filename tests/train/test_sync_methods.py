@@ -8,11 +8,13 @@ optimizer state, residuals in the checkpoint) ends bit-identical to one that
 never stopped.
 """
 
+import json
+
 import pytest
 import torch
 
 import gradsync as gs
-from gradsync.rundir import METRICS, read_metrics
+from gradsync.rundir import METRICS, SUMMARY, read_metrics
 
 STEPS = 8
 
@@ -41,6 +43,9 @@ def test_diloco_every_step_with_plain_averaging_is_synchronous_sgd(tmp_path):
     assert len(gaps) == STEPS and max(gaps) <= 1e-12, gaps
     a, b = _model(tmp_path / "exact"), _model(tmp_path / "local")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-12
+    for run in ("exact", "local"):  # --collectives auto (the default) on one host: native
+        summary = json.loads((tmp_path / run / SUMMARY).read_text())
+        assert summary["collectives"] == "native"
 
 
 @pytest.mark.parametrize("flags", [
@@ -68,7 +73,7 @@ def test_stopped_mid_interval_and_continued_is_bit_identical(tmp_path, flags):
                                               "--strategy ddp"),
     ({"compress": "int8", "strategy": "zero1"}, "exactly: --compress int8 needs --strategy ddp"),
     ({"sync": "diloco", "compress": "powersgd:2"}, "pseudo-gradients"),
-    ({"compress": "int8", "collectives": "hierarchical"}, "do not combine"),
+    ({"compress": "int8", "collectives": "ring"}, "do not combine"),
     ({"compress": "zstd"}, "unknown --compress"),
     ({"compress": "int8", "precision": "bf16"}, "--compress int8 and --precision bf16 do not"),
     ({"sync": "diloco", "precision": "bf16"}, "drop --precision"),

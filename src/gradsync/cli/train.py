@@ -31,7 +31,7 @@ multi-node (same flags, launched by torchrun on every node):
 
 # errors whose message says it all: printed first, without their traceback
 _PLAIN = ("NonFiniteError", "StorageError", "InjectedFault", "UnusedParametersError",
-          "ReplicaMismatchError")
+          "ReplicaMismatchError", "QuorumTimeout")
 
 
 def register(sub, help_line: str) -> argparse.ArgumentParser:
@@ -167,6 +167,10 @@ def run(args) -> int:
         from ..train.schedule import finished_line
 
     cfg = from_args(args)
+    if cfg.ft_groups and cfg.ft_group < 0:  # one machine: a lighthouse and N groups
+        from .train_groups import run_groups
+
+        return run_groups(cfg, sys.argv[2:] if sys.argv[1:2] == ["train"] else sys.argv[1:])
     faults = FaultInjector.from_env()  # the edge: the loop only ever sees the object
     plan, lock = preflight(cfg)
     try:

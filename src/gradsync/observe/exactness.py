@@ -73,7 +73,8 @@ def gradients_html(run: RunData, mode: str) -> str:
                 "Every H steps the workers sync: their item-weighted pseudo-gradients are "
                 "summed and one outer step, the same on every worker, makes the replicas "
                 "identical again; the run ends with a sync.")
-        how = sync_description(c).removesuffix(" (not exact)")
+        how = sync_description(c, (run.summary or {}).get("collectives")).removesuffix(
+            " (not exact)")
         return (f"<p><b>Gradients: local updates, not exact by design</b> ({_e(how)}). "
                 "Each worker steps on the exact mean over its own items only, so between "
                 "syncs the replicas differ by design. "

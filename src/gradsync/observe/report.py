@@ -78,7 +78,7 @@ def _key_numbers(run: RunData) -> list[tuple[str, str]]:
             ("strategy / precision / optimizer",
              f"{c.get('strategy', 'ddp')} / {c.get('precision', 'fp32')} / "
              f"{s.get('optimizer') or c.get('optimizer', '?')}"),
-            ("synchronisation", sync_description(c)),
+            ("synchronisation", sync_description(c, s.get("collectives"))),
             ("bytes sent (rank 0)", run_traffic_line(run)),
             ("seed", str(c.get("seed", "?"))),
             ("workers", workers),

@@ -87,5 +87,7 @@ def traffic_line(t: Traffic | None, strategy: str = "") -> str:
     r = t.ratio
     if r is None:  # an exact all-reduce would send nothing (one worker)
         return head + "; the exact all-reduce would send nothing (one worker)"
+    if r == 0:
+        return head + f"; ratio to exact 0 (exact all-reduce: {size_text(t.exact)})"
     less = f"{1 / r:.3g}x less" if r < 1 else f"{r:.3g}x more"
     return head + f"; ratio to exact {r:.3g} (exact all-reduce: {size_text(t.exact)}; {less})"

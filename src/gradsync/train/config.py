@@ -22,6 +22,7 @@ from ..errors import UsageError
 from ..factory import is_factory_spec
 from ..models import MODELS
 from .builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
+from .ft_flags import check_ft
 from .identity import parse_overrides
 from .mode_flags import check_mode_flags
 from .splits import continue_on
@@ -96,8 +97,8 @@ class TrainConfig:
     outer_lr: float = field(default=0.7, metadata={"help": "learning rate of diloco's outer SGD (Nesterov momentum --outer-momentum)"})
     outer_momentum: float = field(default=0.9, metadata={"help": "momentum of diloco's outer SGD (0 and --outer-lr 1: Local SGD, plain parameter averaging)"})
     find_unused_parameters: bool = field(default=False, metadata={"help": "allow parameters that get no gradient in a step (a layer the model skips), as torch DDP's find_unused_parameters: one no worker used keeps .grad None and is not stepped (costs one small all-reduce a step); without it such a parameter stops the run, naming it"})
-    compress: str = field(default="none", metadata={"help": "gradient compression, spending exactness on purpose: none, bf16, fp16, powersgd:R (error feedback), int8 (blockwise, error feedback); with diloco: the pseudo-gradient (bf16, fp16, int8)"})
-    collectives: str = field(default="native", metadata={"help": "how gradients are summed: native (the backend's all-reduce), hierarchical (inside each host first, then across hosts: for hosts joined by a slow link; zero3 becomes hybrid sharding; diloco and streaming-diloco run one worker per host, exact inside it), ring, tree or server (reference algorithms)", "choices": COLLECTIVES})
+    compress: str = field(default="none", metadata={"help": "gradient compression, spending exactness on purpose: none, bf16, fp16, powersgd:R (error feedback), int8 (blockwise, error feedback); with --collectives hierarchical (or auto on several hosts) only what crosses between hosts is compressed; with diloco: the pseudo-gradient (bf16, fp16, int8)"})
+    collectives: str = field(default="auto", metadata={"help": "how gradients are summed: auto (hierarchical when torchrun runs several hosts of several workers each, else native; both exact; diloco and zero3 keep native unless named), native (the backend's all-reduce), hierarchical (inside each host first, then across hosts: for hosts joined by a slow link; with --compress the sums inside a host stay exact and only what crosses between hosts is compressed; zero3 becomes hybrid sharding; diloco and streaming-diloco run one worker per host, exact inside it), ring, tree or server (reference algorithms)", "choices": COLLECTIVES})
     probe_every: int = field(default=25, metadata={"help": "with --compress: every N steps also sum the exact gradient once and record the compressed one's cosine and relative error (0: never)"})
     seq_len: int = field(default=128, metadata={"help": "tokens per sample for the built-in token data"})
     balance: str = field(default="off", metadata={"help": "auto: split each step's global batch by each worker's measured speed, so a slow worker takes fewer samples and the update stays the exact mean (--sync exact only); the split then depends on timing, so runs are exact to float rounding but no longer bit-reproducible. off: the even split, bit-reproducible. See docs/stragglers.md", "choices": BALANCE_CHOICES})
@@ -117,6 +118,10 @@ class TrainConfig:
     log: str = field(default="", metadata={"help": "also write the metrics through these trackers, comma-separated: tensorboard, csv, wandb, mlflow (each library's own writer, in the run directory; wandb and mlflow offline/local)"})
     override: str = field(default="", metadata={"help": "on resume, flags that may differ from the checkpoint's run, comma-separated (lr, warmup, schedule, schedule-steps, optimizer, weight-decay, betas, scheduler, clip): without it a change to any of them is refused, naming the flag; schedule-steps plans the schedule over the new --steps"})
     no_report: bool = field(default=False, metadata={"help": "do not write report.html and its figures at the end of the run"})
+    ft_groups: int = field(default=0, metadata={"help": "fault tolerance across N replica groups (torchft; docs/fault_tolerance.md): every step goes through a quorum, survivors keep training, a restarted group heals from a live peer; alone: start a lighthouse and N groups of --workers on this machine; with --ft-group: the number of groups in the job"})
+    ft_group: int = field(default=-1, metadata={"help": "this job's replica group, 0..N-1 (a cluster: one torchrun per group with --ft-groups N and --ft-lighthouse)"})
+    ft_lighthouse: str = field(default="", metadata={"help": "the torchft lighthouse's address, HOST:PORT (torchft_lighthouse --min_replicas M; default: TORCHFT_LIGHTHOUSE)"})
+    ft_timeout: float = field(default=5.0, metadata={"help": "seconds a cross-group collective waits for a silent group before the step is redone without it (a dead process is seen at once; a partitioned link after this)"})
 
     def __post_init__(self) -> None:
         positive = ("workers", "steps", "global_batch", "micro_batch", "seq_len")
@@ -183,6 +188,7 @@ class TrainConfig:
         parse_stragglers(self.straggler)
         self.log = check_log(self.log)  # unknown trackers, missing packages: refused now
         check_mode_flags(self)  # --sync-every without --sync diloco: refused, not ignored
+        check_ft(self)  # --ft-groups with what it cannot carry yet: refused (ft_flags.py)
 
     def sync_options(self) -> SyncOptions:
         if self.compress.split(":")[0] not in ("none", "bf16", "fp16", "powersgd", "int8"):

@@ -18,7 +18,9 @@ Kinds: ``raise`` (a Python exception), ``exit`` (``os._exit(7)``), ``kill``
 (SIGKILL: no cleanup at all), ``perturb`` (nudge this rank's first parameter, so
 its replica drifts), ``nan`` (this rank's loss becomes NaN), ``kill-in-save``
 (SIGKILL after this rank wrote its part of the checkpoint at that step, before the
-checkpoint is made current), ``stop`` (every rank saves a checkpoint after that
+checkpoint is made current), ``kill-in-heal`` (across replica groups: SIGKILL when this
+rank has received a live peer's state to continue from that step, before loading it),
+``stop`` (every rank saves a checkpoint after that
 step and returns: a clean preemption), ``eio`` / ``enospc`` (rank 0's write of that
 step's ``metrics.jsonl`` line fails halfway with an I/O error / a full disk: the
 seam for a disk failure that cannot be produced for real without root).
@@ -38,7 +40,8 @@ import torch
 from ..errors import UsageError
 
 FAULT_ENV = "GRADSYNC_FAULT"
-KINDS = ("raise", "exit", "kill", "perturb", "nan", "kill-in-save", "stop", "eio", "enospc")
+KINDS = ("raise", "exit", "kill", "perturb", "nan", "kill-in-save", "kill-in-heal", "stop",
+         "eio", "enospc")
 _WRITE_ERRORS = {"eio": errno.EIO, "enospc": errno.ENOSPC}
 
 
@@ -102,6 +105,13 @@ class FaultInjector:
     def at_save(self, rank: int, step: int) -> None:
         """Mid-save: this rank's part is written, the checkpoint is not yet current."""
         f = self._due(rank, step, ("kill-in-save",))
+        if f is not None:
+            _say(f, rank)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def at_heal(self, rank: int, step: int) -> None:
+        """A peer's state received (``--ft-group``), to take step ``step`` next; not loaded."""
+        f = self._due(rank, step, ("kill-in-heal",))
         if f is not None:
             _say(f, rank)
             os.kill(os.getpid(), signal.SIGKILL)

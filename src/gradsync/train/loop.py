@@ -18,6 +18,7 @@ import time
 from .callbacks import Callbacks
 from .config import TrainConfig
 from .faults import FaultInjector
+from .ft_step import announce
 from .loader import given
 from .session import Session, setup
 from .state import save
@@ -45,13 +46,23 @@ def train_session(sess: Session, callbacks=None) -> dict | None:
     hooks = Callbacks(callbacks, sess.rank)
     sess.loop_started = time.perf_counter()
     with sess.display if sess.display else contextlib.nullcontext():
-        for step in range(sess.start_step + 1, cfg.steps + 1):
+        step = sess.start_step + 1
+        while step <= cfg.steps:
+            if sess.ft:  # this step's quorum; a group that was behind heals and jumps ahead
+                step = sess.ft.begin().step
+                if step > cfg.steps:
+                    break
             rec = run_step(sess, step)
-            stop = _between_steps(sess, step)
-            hooks.after_step(sess, rec, saved=sess.last_checkpoint == step)
+            if sess.ft:
+                announce(sess, sess.ft.current, rec is not None)
+            if rec is None:  # the quorum did not commit: the same step again
+                continue
+            step += 1
+            stop = _between_steps(sess, rec.step)
+            hooks.after_step(sess, rec, saved=sess.last_checkpoint == rec.step)
             if stop:
                 if sess.display:
-                    sess.display.say(f"gradsync train: stopped after step {step} (checkpoint "
+                    sess.display.say(f"gradsync train: stopped after step {rec.step} (checkpoint "
                                      "saved); run the same command again to continue")
                 return None
     return finish(sess)

@@ -82,8 +82,9 @@ class RunDisplay:
             )
 
     def say(self, line: str) -> None:
-        """One line, never wrapped (logs are read by people and by scripts)."""
-        self.console.print(line, highlight=False, soft_wrap=True)
+        """One line, never wrapped (logs are read by people and by scripts); taken as
+        plain text (an error's ``[/path/file.cc:537]`` is not rich markup)."""
+        self.console.print(line, highlight=False, soft_wrap=True, markup=False)
 
     def summary(self, rows: list[tuple[str, str]], title: str) -> None:
         table = Table(title=title, show_header=False)

@@ -33,7 +33,7 @@ from ..rundir import (
     rewrite_metrics,
     write_json,
 )
-from . import state
+from . import ft_step, state
 from .checkpoint import read_header, remove_stale_temporaries
 from .config import TrainConfig
 from .faults import FaultInjector
@@ -92,12 +92,15 @@ class Session:
     items_per_step: int = 0
     balancer: ShareBalancer | None = None  # each step's split over the ranks (train/step.py)
     slowdown: Slowdown | None = None  # --straggler: this rank's emulated slowness
+    ft: object = None  # --ft-group: this rank's ReplicaGroup (ft/replica.py, ft_step.py)
 
     @property
     def unit(self) -> str:
         return self.task.data.item_name or "samples"
 
     def close(self) -> None:
+        if self.ft:
+            self.ft.shutdown()
         self.inst.close()
         if self.slowdown:
             self.slowdown.close()
@@ -149,7 +152,7 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
     rank, world = info.rank, info.world_size
     accum = None  # the same answer (or error) on every rank; the error after the decision,
     with contextlib.suppress(UsageError):  # as a continued run keeps its global batch
-        accum = cfg.accumulation(world)
+        accum = ft_step.accumulation(cfg, world) if cfg.ft_group >= 0 else cfg.accumulation(world)
     slowdown = Slowdown(cfg.straggler, rank, world)  # likewise
     _interrupt_on_sigterm()
     faults = faults or FaultInjector()
@@ -202,13 +205,17 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
                    StepSampler(n, cfg.global_batch, seed=cfg.seed), sched,
                    faults, Instruments(cfg, rank, world, info.device), plan,
                    os.path.join(cfg.out, CHECKPOINT), started, lock=lock)
-    sess.balancer = ShareBalancer(world, cfg.global_batch, accum, enabled=cfg.balanced)
+    # across replica groups the quorum deals the batch (ft_step.py): no balancer's split
+    sess.balancer = (ShareBalancer(world, world, 1, enabled=False) if cfg.ft_group >= 0 else
+                     ShareBalancer(world, cfg.global_batch, accum, enabled=cfg.balanced))
     sess.slowdown = slowdown
     sess.world_sizes = list(plan.world_sizes) if plan.action == "resume" else []
     if plan.action == "resume":
         sess.start_step = sess.last_checkpoint = state.load(sess)
     if not sess.world_sizes or sess.world_sizes[-1] != world:
         sess.world_sizes.append(world)
+    if cfg.ft_group >= 0:
+        sess.ft = ft_step.attach(sess)
     if rank == 0:
         _open_rank0(sess)
     return sess

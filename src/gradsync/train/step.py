@@ -27,6 +27,7 @@ import torch
 from ..engine.transport import comm, tracing
 from ..errors import GradsyncError
 from ..rundir import StepRecord
+from . import ft_step
 from .eval_metrics import metric_sums, metric_values
 from .session import Session
 
@@ -61,14 +62,25 @@ def _forward(model, x):
     return model(**x) if isinstance(x, Mapping) else model(x)
 
 
-def run_step(sess: Session, step: int) -> StepRecord:
-    """Train step ``step`` (1-based); rank 0 also writes its metrics line."""
+def run_step(sess: Session, step: int) -> StepRecord | None:
+    """Train step ``step`` (1-based); rank 0 also writes its metrics line.
+
+    Across replica groups (``sess.ft``, ``ft_step.py``) the step's samples are dealt
+    over the quorum and the gradient summed over it; None: the quorum did not
+    commit (a group failed), nothing was updated and the sampler is back where it
+    was, so the next quorum takes the same step on the same samples.
+    """
     cfg, strategy, task = sess.cfg, sess.strategy, sess.task
     model = strategy.model
     sess.inst.begin_step(step)
     t0 = time.perf_counter()
-    share = sess.balancer.split(sess.sampler.next_block())[sess.rank]
-    micro = sess.balancer.micro_batches(share)
+    before = sess.sampler.state_dict() if sess.ft else None
+    block = sess.sampler.next_block()
+    if sess.ft:
+        share, micro = ft_step.share(sess, block)
+    else:
+        share = sess.balancer.split(block)[sess.rank]
+        micro = sess.balancer.micro_batches(share)
     loss_sum, items = 0.0, 0
     for k, idx in enumerate(micro):
         last = k == len(micro) - 1
@@ -87,12 +99,19 @@ def run_step(sess: Session, step: int) -> StepRecord:
         sess.slowdown.after_micro_batch(step)
     busy = sess.inst.busy_s(t0)
     with tracing.span("optimizer"):
+        sums = ft_step.reduce(sess, items, loss_sum) if sess.ft else None
         norm = float(strategy.clip_grad_norm_(cfg.clip))
         stats = sess.inst.gather_stats(loss_sum, float(items), norm, len(share), busy)
-        total_items = float(stats[:, 1].sum())
-        global_loss = float(stats[:, 0].sum()) / total_items
+        total_items = sums.items if sums else float(stats[:, 1].sum())
+        global_loss = (sums.loss_sum if sums else float(stats[:, 0].sum())) / max(total_items, 1)
         lr = strategy.optimizer.param_groups[0]["lr"]
         problem = _nonfinite(stats, step)
+        if sums and problem is None and not math.isfinite(global_loss):
+            problem = f"non-finite loss ({global_loss}) at step {step} in another replica group"
+        if sess.ft and not sess.ft.commit():  # a group failed: redo, same samples, next quorum
+            sess.sampler.load_state_dict(before)
+            strategy.optimizer.zero_grad(set_to_none=True)
+            return None
         if problem is None:
             strategy.optimizer.step()
             strategy.after_step(int(total_items))
@@ -114,14 +133,17 @@ def run_step(sess: Session, step: int) -> StepRecord:
     sess.last_loss = global_loss
     sess.items_per_step = int(total_items)
     rate = total_items / step_s
+    world = sess.world * sess.ft.current.size if sess.ft else sess.world
+    report = strategy.step_report()
     rec = StepRecord(step=step, loss=global_loss, lr=lr, items=int(total_items),
-                     world_size=sess.world, grad_norm=norm if problem is None else None,
+                     world_size=world, grad_norm=norm if problem is None else None,
                      skipped=problem is not None, eval_loss=eval_loss,
                      eval_metrics=eval_metrics,
                      time_s=time.perf_counter() - sess.loop_started, unix_time=time.time(),
                      samples_per_s=cfg.global_batch / step_s,
                      tokens_per_s=rate if sess.unit == "tokens" else None,
-                     balance_saved_s=saved, **figures, **strategy.step_report())
+                     balance_saved_s=saved, **figures,
+                     **(ft_step.record(sess, report) if sess.ft else report))
     if sess.baseline_rate:
         rec.scaling_efficiency = rec.samples_per_s / (sess.world * sess.baseline_rate)
     if sess.rank == 0:
@@ -146,7 +168,7 @@ def balance(sess: Session, step: int, shares: list[int], busy: list[float]) -> f
     Returns the seconds the split saved against the even one (None when not
     balancing); a changed split, applied from the next step, is announced.
     """
-    if not sess.balancer.enabled:
+    if sess.ft or not sess.balancer.enabled:
         return None
     if sess.balancer.observe(step, shares, busy) and sess.display:
         rates = ", ".join(f"{r:.0f}" for r in sess.balancer.last_rates)

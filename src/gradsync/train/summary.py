@@ -9,6 +9,7 @@ import time
 from ..engine.strategy.inexact import LocalUpdateStrategy
 from ..observe.traffic import run_traffic, traffic_line
 from ..rundir import METRICS, SUMMARY, Summary, read_metrics, sync_description, write_json
+from .ft_step import ft_figures, ft_line
 from .instrument import drift_line, write_report_safely
 from .session import Session
 
@@ -62,7 +63,10 @@ def build_summary(sess: Session) -> Summary:
                                              "median_s": tuned.median_s,
                                              "chosen_mb": tuned.chosen_mb})
     summary.gradient_bytes = gradient_bytes(strategy)
+    summary.collectives = getattr(strategy, "collectives", None)
     rows, _ = read_metrics(os.path.join(cfg.out, METRICS))  # every attempt's steps
+    if sess.ft:
+        summary.fault_tolerance = ft_figures(sess, rows)
     traffic = run_traffic(rows, summary.gradient_bytes)
     if traffic is not None:
         summary.sent_bytes, summary.exact_bytes = traffic.sent, traffic.exact
@@ -93,7 +97,7 @@ def finish(sess: Session) -> dict | None:
         ("workers x accumulation", f"{s.world_size} x {s.accumulation}"
          + (f" (workers over the run: {sizes})" if len(s.world_sizes) > 1 else "")),
         ("strategy / precision / optimizer", f"{s.strategy} / {s.precision} / {s.optimizer}"),
-        ("synchronisation", sync_description(cfg.to_dict())),
+        ("synchronisation", sync_description(cfg.to_dict(), s.collectives)),
         ("seed", str(s.seed)),
         ("scaling efficiency vs 1 worker",
          f"{s.scaling_efficiency:.0%}" if s.scaling_efficiency
@@ -107,6 +111,8 @@ def finish(sess: Session) -> dict | None:
         ("wall time", f"{s.total_wall_s:.1f} s"),
         ("checkpoint", sess.ckpt_path),
     ]
+    if s.fault_tolerance:
+        rows.insert(-2, ("fault tolerance", ft_line(s.fault_tolerance)))
     if s.resumed_from:
         rows.insert(-1, ("resumed from step", str(s.resumed_from)))
     if s.skipped_steps:

@@ -4,7 +4,9 @@ Every compressor offers one call, ``all_reduce_(key, flat, shapes, group)``
 (see ``base.py`` for the contract), and reports what it sent (``stats()``).
 ``parse_compression`` maps the command line's ``--compress`` value to one;
 ``CompressedBuckets`` plugs one into DataParallel
-(``gs.DataParallel(module, reduction=CompressedBuckets(compressor))``).
+(``gs.DataParallel(module, reduction=CompressedBuckets(compressor))``), and
+``HostCompressedBuckets`` composes one with the two-level all-reduce (exact inside
+a host, compressed across hosts: ``hierarchical.py``).
 None of them is exact; ``none`` (no compressor) stays the default and the only
 mode ``gradsync verify`` calls exact. Measured ratios, errors and how to choose:
 docs/slow_links.md. Imports ``buckets`` and ``transport``.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from ...errors import UsageError
 from .base import CompressionStats, Compressor, gradient_distance
+from .hierarchical import HostCompressedBuckets
 from .powersgd import PowerSGDCompressor
 from .quantized import HalfPrecisionCompressor, Int8Compressor, QuantizedCompressor
 from .reduction import CompressedBuckets
@@ -66,6 +69,7 @@ __all__ = [
     "CompressionStats",
     "Compressor",
     "HalfPrecisionCompressor",
+    "HostCompressedBuckets",
     "Int8Compressor",
     "PowerSGDCompressor",
     "QuantizedCompressor",

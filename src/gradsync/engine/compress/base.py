@@ -116,6 +116,10 @@ class Compressor:
     """
 
     name = "?"
+    # ``all_reduce_`` reads ``shapes`` as the tensors it compresses (PowerSGD factorises
+    # each matrix), so a caller that splits a buffer must split it between tensors;
+    # an elementwise codec (bf16/fp16/int8) sets False: any split is as good
+    whole_tensors = True
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

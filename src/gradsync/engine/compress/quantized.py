@@ -61,6 +61,8 @@ class _KeyState:
 class QuantizedCompressor(Compressor):
     """Reduce-scatter + all-gather of ``codec``-encoded bytes, with optional error feedback."""
 
+    whole_tensors = False  # elementwise: shapes only name the layout the residuals belong to
+
     def __init__(self, codec: Codec, error_feedback: bool):
         super().__init__()
         self.codec = codec

@@ -66,16 +66,24 @@ class CompressedBuckets(AllReduceBuckets):
 
     def communicate(self, bucket, src):
         if self.windows < self.exact_windows:
-            return super().communicate(bucket, src)
+            return self.exact_sum_(bucket, src)
         shapes = [p.shape for p in bucket.params]
         exact = src.clone() if self.probing() else None
-        pending = self._thread.launch(bucket.spec.index, src, shapes)
+        pending = self.compressed_sum_(bucket.spec.index, src, shapes)
         if exact is None:
             return pending
         self._probes[bucket.spec.index] = (src, exact, bucket.spec.numel)
         # on the same thread, after the compressed sum: waiting for it waits for both
         return self._thread.submit(comm.all_reduce, exact, self._thread.group,
                                    tag=f"probe{bucket.spec.index}")
+
+    def exact_sum_(self, bucket, src):
+        """An exact window's bucket: the backend's all-reduce (a subclass: its own exact sum)."""
+        return super().communicate(bucket, src)
+
+    def compressed_sum_(self, key: int, src, shapes):
+        """A compressed window's bucket, on the compression thread."""
+        return self._thread.launch(key, src, shapes)
 
     def complete(self, divisor: float, used: list[bool]) -> None:
         if self._probes:  # the whole gradient, compressed vs exact (both still sums)

@@ -44,6 +44,9 @@ class Strategy:
         replicated: every rank holds identical full parameters after a step (so a
             cross-rank drift check is meaningful and rank 0's copy is the model).
         not_replicated_because: when not, why (the run summary says it).
+        collectives: how the sums travelled, ``--collectives auto`` decided (``native``,
+            ``hierarchical``, ...; the run summary says it); None if the builder
+            does not say.
 
     ``model, optimizer = build_strategy(...)`` still works: a Strategy unpacks
     into that pair.
@@ -51,6 +54,7 @@ class Strategy:
 
     replicated = True
     not_replicated_because = "ranks hold different parameters"
+    collectives: str | None = None
 
     def __init__(self, name: str, precision: str, model, optimizer):
         self.name, self.precision = name, precision

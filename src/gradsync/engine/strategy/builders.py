@@ -2,15 +2,19 @@
 
 ``_ddp`` covers every ``--sync``/``--compress`` mode (exact, compressed buckets,
 DiLoCo's local updates); ``zero1``-``zero3`` synchronise exactly only and say so
-naming the flag. The registry (``registry.py``) maps names to these.
+naming the flag. The registry (``registry.py``) maps names to these. Each builder
+decides ``--collectives auto`` first (``SyncOptions.resolved``), so the model it
+returns records what was chosen (``model.collectives``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...errors import UsageError
-from ..compress import CompressedBuckets, parse_compression
+from ..compress import CompressedBuckets, HostCompressedBuckets, parse_compression
 from ..local.diloco import DiLoCo
 from ..local.streaming import StreamingDiLoCo
 from ..replicated.data_parallel import DataParallel
@@ -25,9 +29,20 @@ from .options import SyncOptions
 
 
 def compressed_reduction(sync: SyncOptions, mp) -> CompressedBuckets:
-    """DataParallel's buckets through ``--compress`` (sums in fp32 for a bf16 model)."""
-    return CompressedBuckets(parse_compression(sync.compress), probe_every=sync.probe_every,
-                             reduce_dtype=mp.reduce_dtype if mp is not None else None)
+    """DataParallel's buckets through ``--compress`` (sums in fp32 for a bf16 model); with
+    ``--collectives hierarchical`` exact inside each host and compressed across hosts."""
+    kw = dict(probe_every=sync.probe_every,
+              reduce_dtype=mp.reduce_dtype if mp is not None else None)
+    compressor = parse_compression(sync.compress)
+    if sync.collectives == "hierarchical":
+        return HostCompressedBuckets(compressor, **kw)
+    return CompressedBuckets(compressor, **kw)
+
+
+def _chose(strategy, sync: SyncOptions):
+    """Record on ``strategy`` the collectives its sums took (``auto`` decided)."""
+    strategy.collectives = sync.collectives
+    return strategy
 
 
 def outer_sgd(lr: float, momentum: float):
@@ -45,6 +60,7 @@ def build_local(module, precision, optimizer_class, group, sync: SyncOptions,
     data parallelism inside it, DiLoCo across hosts, pseudo-gradients two-level.
     """
     sync.check_precision(precision)
+    sync = sync.resolved(group)
     topology = None
     if sync.collectives == "hierarchical":
         if group is not None:
@@ -64,13 +80,14 @@ def build_local(module, precision, optimizer_class, group, sync: SyncOptions,
                                  sync_every=sync.every, fragments=sync.fragments,
                                  delay=sync.delay, alpha=sync.alpha, group=group,
                                  compress=compress, topology=topology)
-    return LocalUpdateStrategy(sync.method, precision, model, inner, diloco)
+    return _chose(LocalUpdateStrategy(sync.method, precision, model, inner, diloco), sync)
 
 
 def build_ddp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=None,
          find_unused_parameters=False, **opt_kwargs):
     sync = sync or SyncOptions()
     sync.check_precision(precision)
+    sync = sync.resolved(group)
     if sync.method != "exact":
         bucket_cap = 25.0 if bucket_cap_mb == "auto" else bucket_cap_mb
         return build_local(module, precision, optimizer_class, group, sync, bucket_cap,
@@ -87,8 +104,8 @@ def build_ddp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sy
     else:
         opt = optimizer_class(model.parameters(), **opt_kwargs)
     if reduction is not None:
-        return CompressedStrategy("ddp", precision, model, opt, reduction)
-    return DataParallelStrategy("ddp", precision, model, opt)
+        return _chose(CompressedStrategy("ddp", precision, model, opt, reduction), sync)
+    return _chose(DataParallelStrategy("ddp", precision, model, opt), sync)
 
 
 def _exact_only(name: str, sync) -> SyncOptions:
@@ -105,19 +122,21 @@ def _exact_only(name: str, sync) -> SyncOptions:
 def build_zero(stage: int):
     def build(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=None,
               find_unused_parameters=False, **opt_kwargs):
-        sync = _exact_only(f"zero{stage}", sync)
+        sync = _exact_only(f"zero{stage}", sync).resolved(group)
         model = DataParallel(module, group=group, bucket_cap_mb=bucket_cap_mb,
                              collectives=sync.collectives,
                              find_unused_parameters=find_unused_parameters)
         opt = ZeroOptimizer(model, optimizer_class, stage=stage,
                             mixed_precision=parse_precision(precision), **opt_kwargs)
-        return ZeroStrategy(f"zero{stage}", precision, model, opt)
+        return _chose(ZeroStrategy(f"zero{stage}", precision, model, opt), sync)
     return build
 
 
 def build_fsdp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=None,
           find_unused_parameters=False, **opt_kwargs):
     sync = _exact_only("zero3", sync)
+    if sync.collectives == "auto":  # hybrid sharding holds more per rank: by name only
+        sync = dataclasses.replace(sync, collectives="native")
     if sync.collectives not in ("native", "hierarchical"):
         raise UsageError(f"--strategy zero3 takes --collectives native or hierarchical "
                          f"(hybrid sharding), not {sync.collectives}")
@@ -125,5 +144,5 @@ def build_fsdp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, s
                                      mixed_precision=parse_precision(precision), group=group,
                                      hybrid=sync.collectives == "hierarchical",
                                      find_unused_parameters=find_unused_parameters)
-    return FullyShardedStrategy("zero3", precision, model,
-                                optimizer_class(model.parameters(), **opt_kwargs))
+    return _chose(FullyShardedStrategy("zero3", precision, model,
+                                       optimizer_class(model.parameters(), **opt_kwargs)), sync)

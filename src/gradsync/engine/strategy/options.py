@@ -1,7 +1,7 @@
 """SyncOptions: how a run synchronises, beside which strategy shards what.
 
 ``gradsync train --sync exact|diloco|streaming-diloco --sync-every H --fragments F
---compress none|bf16|fp16|powersgd:R|int8 --collectives native|hierarchical|ring|tree|server``
+--compress none|bf16|fp16|powersgd:R|int8 --collectives auto|native|hierarchical|ring|tree|server``
 maps one-to-one onto these fields. ``exact`` (the default) is gradsync's exact
 synchronous data parallelism; everything else spends exactness on purpose for
 slow links: compression (arXiv 1905.13336 for PowerSGD), local updates (DiLoCo,
@@ -10,12 +10,32 @@ arXiv 2311.08105; Streaming DiLoCo, arXiv 2501.18512).
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 
 from ...errors import UsageError
+from ..transport.algorithms.topology import hosts_in_env
 
 SYNC_METHODS = ("exact", "diloco", "streaming-diloco")
-COLLECTIVES = ("native", "hierarchical", "ring", "tree", "server")
+COLLECTIVES = ("auto", "native", "hierarchical", "ring", "tree", "server")
+COMPRESSIBLE = ("auto", "native", "hierarchical")  # a compressor composes with these
+
+
+def auto_collectives(env=None, group=None) -> str:
+    """What ``--collectives auto`` means for this job: ``hierarchical`` when torchrun
+    reports more than one host with more than one rank on each, else ``native``.
+
+    Both are exact; the two-level sum only pays where a slow link joins hosts of
+    several ranks (one rank per host: it is a flat ring; one host: no slow link).
+    Decided from each rank's own environment (``hosts_in_env``), so every rank
+    decides alike without a collective. ``group``: a process group other than the
+    world's gets ``native`` (the two-level groups are built over the world).
+    """
+    hosts = hosts_in_env(os.environ if env is None else env)
+    if group is not None or hosts is None:
+        return "native"
+    return "hierarchical" if hosts[0] > 1 and hosts[1] > 1 else "native"
 
 
 @dataclass(frozen=True)
@@ -31,10 +51,12 @@ class SyncOptions:
         0.7 and 0.9; lr 1 and no momentum is Local SGD).
     compress: ``none`` | ``bf16`` | ``fp16`` | ``powersgd:R`` | ``int8`` (exact: the
         gradient buckets; local updates: the pseudo-gradient, bf16/fp16/int8 only).
-    collectives: ``native`` (the backend's), or ``hierarchical`` (two-level: hosts
-        joined by a slow link; stage 3 becomes hybrid sharding; local updates get a
-        worker per host, exact inside it), ``ring``, ``tree``, ``server`` (reference
-        algorithms).
+    collectives: ``auto`` (the default: ``hierarchical`` on several hosts of several
+        ranks, else ``native``; see :func:`auto_collectives` and :meth:`resolved`),
+        ``native`` (the backend's), or ``hierarchical`` (two-level: hosts joined by a
+        slow link; with ``compress`` exact inside a host and compressed across hosts;
+        stage 3 becomes hybrid sharding; local updates get a worker per host, exact
+        inside it), ``ring``, ``tree``, ``server`` (reference algorithms).
     probe_every: with compression, every this many steps also sum the exact gradient
         once and record how far the compressed one is (cosine, relative error).
     """
@@ -47,7 +69,7 @@ class SyncOptions:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     compress: str = "none"
-    collectives: str = "native"
+    collectives: str = "auto"
     probe_every: int = 25
 
     def __post_init__(self) -> None:
@@ -74,12 +96,29 @@ class SyncOptions:
         if local and self.compress.split(":")[0] == "powersgd":
             raise UsageError("--compress powersgd compresses gradient buckets; local-update "
                              "methods send pseudo-gradients as bf16, fp16 or int8")
-        if local and self.collectives not in ("native", "hierarchical"):
+        if local and self.collectives not in COMPRESSIBLE:
             raise UsageError(f"--collectives {self.collectives} needs --sync exact (local "
                              "updates take native, or hierarchical: a worker per host)")
-        if self.compress != "none" and self.collectives != "native":
-            raise UsageError("--compress and --collectives other than native do not combine: "
-                             "a compressor does its own communication")
+        if self.compress != "none" and self.collectives not in COMPRESSIBLE:
+            raise UsageError(f"--compress and --collectives {self.collectives} do not combine: "
+                             "a compressor composes with native or hierarchical only")
+        if local and self.compress != "none" and self.collectives == "hierarchical":
+            raise UsageError(f"--sync {self.method} --collectives hierarchical sends "
+                             "pseudo-gradients between hosts exactly (a worker per host); "
+                             "drop --compress, or drop --collectives for a worker per rank")
+
+    def resolved(self, group=None, env=None) -> SyncOptions:
+        """These options with ``collectives="auto"`` decided (:func:`auto_collectives`).
+
+        ``auto`` never changes what a run computes or holds, only how an exact sum
+        travels: so ``--sync diloco`` (hierarchical would make a worker of each host)
+        and zero3 (it would become hybrid sharding, more memory per rank) get
+        ``native``; ask for ``hierarchical`` by name for those.
+        """
+        if self.collectives != "auto":
+            return self
+        choice = auto_collectives(env, group) if self.method == "exact" else "native"
+        return dataclasses.replace(self, collectives=choice)
 
     def check_precision(self, precision: str) -> None:
         """Local updates and compressors handle gradients in fp32 only (checked by the

@@ -113,6 +113,29 @@ class HostTopology:
         return (f"HostTopology(hosts={self.num_hosts}, ranks_per_host={self.ranks_per_host}, "
                 f"rank={self.rank}, host={self.host}, local_rank={self.local_rank})")
 
+
+def hosts_in_env(env) -> tuple[int, int] | None:
+    """(hosts, ranks per host) as torchrun describes the job in ``env``, without talking.
+
+    torchrun sets ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` (ranks on this host) and
+    ``GROUP_WORLD_SIZE`` (hosts, one agent each) in every worker. None when they are
+    missing or malformed, or when the hosts run different numbers of ranks: then
+    ``WORLD_SIZE != GROUP_WORLD_SIZE x LOCAL_WORLD_SIZE`` on some host, and on every
+    host as soon as two sizes differ, so every rank reaches the same answer from its
+    own environment and a choice made on it needs no collective (``from_env`` checks
+    the layout again, with one, when the groups are built).
+    """
+    try:
+        world = int(env["WORLD_SIZE"])
+        local = int(env.get("LOCAL_WORLD_SIZE", world))
+        hosts = int(env.get("GROUP_WORLD_SIZE", world // local if local > 0 else 0))
+    except (KeyError, ValueError, TypeError):
+        return None
+    if world < 1 or local < 1 or hosts < 1 or hosts * local != world:
+        return None
+    return hosts, local
+
+
 def host_topology(topology: HostTopology | None) -> HostTopology:
     """``topology``, or the hosts torchrun laid out (every rank calls this at once)."""
     return topology if topology is not None else HostTopology.from_env()

@@ -1,0 +1,133 @@
+"""`gradsync train --ft-groups N` on one machine: a lighthouse here and N replica groups.
+
+Each group is its own `gradsync train --ft-group i` (its own launcher, its own
+run directory ``OUT/group-i``), so a failure restarts only that group's workers
+(``--max-restarts``, per group), which heal from a live peer at the next quorum;
+the other groups never restart. The lighthouse runs in this process and forms a
+quorum once a strict majority of the groups asks (no two quorums can train side
+by side); ``--ft-min-groups`` is not a flag on purpose: a smaller quorum could
+split the job in two.
+
+Every group's output is passed through prefixed with its name, and at the end a
+table says, per group, the steps it committed, the steps it redid, the times it
+healed and the seconds lost. ``GRADSYNC_FT_FAULT`` (``GROUP/RANK:STEP:KIND,...``)
+hands each group its own ``GRADSYNC_FAULT``, for trying failures.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from ..errors import UsageError
+
+FAULT_ENV = "GRADSYNC_FT_FAULT"
+FINISH_GRACE_S = 30.0
+
+
+def group_faults(spec: str, groups: int) -> dict[int, str]:
+    """``"1/0:6:kill,2/0:9:kill"`` -> ``{1: "0:6:kill", 2: "0:9:kill"}``."""
+    out: dict[int, list[str]] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        group, sep, fault = part.partition("/")
+        if not sep or not group.isdigit() or not 0 <= int(group) < groups:
+            raise UsageError(f"{FAULT_ENV}: {part!r} is not GROUP/RANK:STEP:KIND with GROUP in "
+                             f"0..{groups - 1}")
+        out.setdefault(int(group), []).append(fault)
+    return {g: ",".join(f) for g, f in out.items()}
+
+
+def group_argv(argv: list[str], group: int, lighthouse: str, out: str) -> list[str]:
+    """The `gradsync train` arguments of group ``group``: ours, minus --out/--port, plus its
+    own group, lighthouse and run directory."""
+    keep, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--out", "--port", "--ft-lighthouse"):
+            skip = True
+            continue
+        if a.split("=")[0] in ("--out", "--port", "--ft-lighthouse"):
+            continue
+        keep.append(a)
+    return [*keep, "--ft-group", str(group), "--ft-lighthouse", lighthouse,
+            "--out", os.path.join(out, f"group-{group}")]
+
+
+def _relay(proc: subprocess.Popen, name: str, lock: threading.Lock) -> None:
+    for line in proc.stdout:
+        with lock:
+            sys.stdout.write(f"[{name}] {line}")
+            sys.stdout.flush()
+
+
+def _wait(procs: list, cfg) -> list[int]:
+    """Every group's exit code. Once one group has finished every step, the job is done:
+    a group still waiting for a quorum (it restarted too late to rejoin) is stopped
+    after ``FINISH_GRACE_S``, rather than waiting out its quorum timeout alone."""
+    finished_at = None
+    while any(p.poll() is None for p, _ in procs):
+        if finished_at is None and any(p.poll() == 0 for p, _ in procs):
+            finished_at = time.monotonic()
+        if finished_at is not None and time.monotonic() - finished_at > FINISH_GRACE_S:
+            for g, (p, _) in enumerate(procs):
+                if p.poll() is None:
+                    print(f"gradsync train: stopping group {g}: another group finished "
+                          f"every step {FINISH_GRACE_S:.0f} s ago", flush=True)
+                    p.terminate()
+            break
+        time.sleep(0.2)
+    codes = [p.wait() for p, _ in procs]
+    for _, relay in procs:
+        relay.join(timeout=5)
+    return codes
+
+
+def run_groups(cfg, argv: list[str]) -> int:
+    """Start the lighthouse and the groups, relay their output, wait; 0 if a group finished."""
+    from ..ft.lighthouse import start_lighthouse
+    from ..ft.replica import default_min_groups
+    from .train_groups_table import print_table
+
+    faults = group_faults(os.environ.get(FAULT_ENV, ""), cfg.ft_groups)
+    light = start_lighthouse(default_min_groups(cfg.ft_groups))
+    print(f"gradsync train: lighthouse at {light.address} (quorum: at least "
+          f"{light.min_groups} of {cfg.ft_groups} groups); {cfg.ft_groups} replica groups of "
+          f"{cfg.workers} worker{'' if cfg.workers == 1 else 's'} in {cfg.out}/group-*",
+          flush=True)
+    procs, lock = [], threading.Lock()
+    barrier = tempfile.mkdtemp(prefix="gradsync-ft-start-")
+    try:
+        for g in range(cfg.ft_groups):
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            env.pop(FAULT_ENV, None)
+            env["GRADSYNC_FT_BARRIER"] = barrier  # a fresh job's first quorum holds every group
+            if g in faults:
+                env["GRADSYNC_FAULT"] = faults[g]
+            cmd = [sys.executable, "-m", "gradsync", "train",
+                   *group_argv(argv, g, light.address, cfg.out)]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, env=env)
+            relay = threading.Thread(target=_relay, args=(proc, f"group {g}", lock), daemon=True)
+            relay.start()
+            procs.append((proc, relay))
+        codes = _wait(procs, cfg)
+    except KeyboardInterrupt:
+        for proc, _ in procs:
+            proc.terminate()
+        for proc, _ in procs:
+            proc.wait()
+        print(f"\ngradsync train: interrupted; the same command continues from each group's "
+              f"last checkpoint in {cfg.out}/group-*", file=sys.stderr)
+        return 130
+    finally:
+        light.shutdown()
+        shutil.rmtree(barrier, ignore_errors=True)
+    print_table(cfg, codes)
+    return 0 if 0 in codes else 1

@@ -1,0 +1,188 @@
+"""One replica group's side of the per-step quorum: torchft's Manager, and what each step saw.
+
+Every step starts with :meth:`ReplicaGroup.begin`: torchft's lighthouse decides
+the quorum (which groups take part), and a group whose step is behind the
+quorum's -- a restarted or new one -- receives the state of a live peer before
+it trains (``use_async_quorum=False``: the healing happens before the forward, so
+the healed group takes part in this very step). The quorum fixes this group's
+position ``r`` of ``Q``, which is all :mod:`shares` needs to deal the step's
+samples. After the backward, :func:`cross_reduce.cross_reduce` sums the
+gradients over the quorum, and :meth:`ReplicaGroup.commit` asks torchft whether
+every participant got through the step; only then may the optimizer step. A step
+that does not commit is redone, on the same samples, by the next quorum.
+
+Split brain: two quorums training side by side would each make a different
+model. The lighthouse's ``--min_replicas`` prevents it when it is a majority of
+the groups (``default_min_groups``); the one-machine launcher sets it so.
+
+What a step records (:class:`StepQuorum`): the members whose gradients the
+committed sum holds, how many attempts it took, the seconds lost in failed
+attempts, the seconds the committing attempt waited for its quorum, and
+whether this group healed from a peer at it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from ..errors import GradsyncError, UsageError
+from .requirement import torchft
+
+GROUP_ID_PREFIX = "gradsync_group_"  # torchft reads the trailing digits as the group's index
+QUORUM_TRY_S = 5.0  # one quorum request's bound; repeated up to --timeout (_join_quorum)
+
+
+class QuorumTimeout(GradsyncError):
+    """No quorum within the run's --timeout (said in one line on every rank)."""
+
+
+def default_min_groups(groups: int) -> int:
+    """The smallest quorum that cannot coexist with another: a strict majority."""
+    return groups // 2 + 1
+
+
+@dataclass
+class StepQuorum:
+    """What one step's quorum was, for its metrics line (``rundir.StepRecord``)."""
+
+    step: int
+    size: int
+    position: int
+    attempts: int = 1
+    lost_s: float = 0.0
+    quorum_s: float = 0.0
+    healed: bool = False
+    members: list[int] = field(default_factory=list)
+    sent_bytes: int = 0
+
+
+class ReplicaGroup:
+    """This rank's handle on its group's torchft Manager.
+
+    ``state_fn()`` returns this rank's state for a healing peer, ``load_fn(state)``
+    loads one received; ``start_step`` is the number of steps already committed
+    (a resumed checkpoint's step), which the quorum compares across groups.
+    """
+
+    def __init__(self, group: int, groups: int, lighthouse: str, rank: int, world: int,
+                 state_fn, load_fn, start_step: int, timeout_s: float,
+                 quorum_timeout_s: float):
+        if not 0 <= group < groups:
+            raise UsageError(f"--ft-group must be in [0, {groups}) for --ft-groups {groups}, "
+                             f"got {group}")
+        tf = torchft()
+        self.group, self.groups, self.rank, self.world = group, groups, rank, world
+        self.lighthouse, self.quorum_timeout_s = lighthouse, quorum_timeout_s
+        self._load_fn = load_fn
+        self.healed_now = False
+        pg = tf.ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
+        self.manager = tf.Manager(
+            pg=pg, load_state_dict=self._load, state_dict=state_fn, min_replica_size=1,
+            use_async_quorum=False, replica_id=f"{GROUP_ID_PREFIX}{group}",
+            lighthouse_addr=lighthouse, rank=rank, world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+            quorum_timeout=timedelta(seconds=quorum_timeout_s),
+            connect_timeout=timedelta(seconds=quorum_timeout_s), init_sync=True)
+        self.manager.load_state_dict({"step": int(start_step), "batches_committed": 0})
+        self._first_try: dict[int, float] = {}
+        self._tries: dict[int, int] = {}
+        self.current: StepQuorum | None = None
+        self.failed_attempts = 0
+        self.heals = 0
+        self.why_not = ""  # why the last step did not commit
+        self.last_members: list[int] | None = None
+
+    def _load(self, state) -> None:
+        self.healed_now = True
+        self.heals += 1
+        self._load_fn(state)
+
+    def wait_for_all(self, directory: str, timeout_s: float) -> None:
+        """A fresh job's first quorum holds every group (one machine: ``GRADSYNC_FT_BARRIER``).
+
+        The lighthouse forms a quorum as soon as a majority asks; a group still
+        importing torch would then join a step later and heal, which is correct
+        but makes the first steps depend on start-up timing. Each group marks
+        itself ready in the launcher's directory and waits (at most ``timeout_s``)
+        for the others' marks.
+        """
+        os.makedirs(directory, exist_ok=True)
+        open(os.path.join(directory, f"group-{self.group}.rank-{self.rank}"), "w").close()
+        deadline = time.monotonic() + timeout_s
+        want = {f"group-{g}.rank-0" for g in range(self.groups)}
+        while not want <= set(os.listdir(directory)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def begin(self) -> StepQuorum:
+        """Join this step's quorum (healing first if behind); the step to take, 1-based."""
+        t0 = time.perf_counter()
+        self.healed_now = False
+        self._join_quorum(t0)
+        position = self.manager.participating_rank()
+        size = self.manager.num_participants()
+        if position is None:
+            raise RuntimeError(f"replica group {self.group} is not in the quorum it joined")
+        step = self.manager.current_step() + 1
+        self._first_try.setdefault(step, t0)
+        self._tries[step] = self._tries.get(step, 0) + 1
+        self.current = StepQuorum(step=step, size=size, position=position,
+                                  attempts=self._tries[step],
+                                  lost_s=t0 - self._first_try[step],
+                                  quorum_s=time.perf_counter() - t0, healed=self.healed_now)
+        return self.current
+
+    def _join_quorum(self, t0: float) -> None:
+        """``start_quorum``, asked again every ``QUORUM_TRY_S`` until ``quorum_timeout_s``.
+
+        torchft's quorum request does not survive the lighthouse's death: the request
+        in flight waits out its timeout even when a new lighthouse is up on the same
+        address (measured: a group failed 60 s later). A fresh request reaches the new
+        one, so the request is bounded and repeated; the whole wait is still bounded
+        by the run's ``--timeout``, after which the error says what was waited for.
+        """
+        while True:
+            try:
+                self.manager.start_quorum(allow_heal=True,
+                                          timeout=timedelta(seconds=QUORUM_TRY_S))
+                return
+            except (TimeoutError, RuntimeError) as e:
+                self.manager._quorum_future = None  # torchft re-raises a failed request
+                waited = time.perf_counter() - t0
+                if waited + QUORUM_TRY_S > self.quorum_timeout_s:
+                    raise QuorumTimeout(
+                        f"replica group {self.group}: no quorum in {waited:.0f} s (--timeout "
+                        f"{self.quorum_timeout_s:.0f}): the lighthouse at {self.lighthouse} is "
+                        f"unreachable, or fewer groups than its --min_replicas are alive "
+                        f"({type(e).__name__}: {str(e)[:120]})") from None
+
+    def commit(self) -> bool:
+        """Whether every group of the quorum got through this step (torchft decides);
+        False: drop the gradient and take the step again."""
+        err = self.manager.errored()
+        ok = bool(self.manager.should_commit())
+        if not ok:
+            self.failed_attempts += 1
+            cause = getattr(err, "original_exception", err) if err else None
+            self.why_not = (str(cause).split(". ")[0][:160] if cause else
+                            "another group of the quorum failed")
+        elif self.current is not None:
+            self._first_try.pop(self.current.step, None)
+            self._tries.pop(self.current.step, None)
+        return ok
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def lighthouse_address(given: str | None) -> str:
+    """``--ft-lighthouse``, else torchft's own ``TORCHFT_LIGHTHOUSE``."""
+    addr = given or os.environ.get("TORCHFT_LIGHTHOUSE")
+    if not addr:
+        raise UsageError("--ft-group needs the lighthouse's address: --ft-lighthouse "
+                         "http://HOST:29510 (or TORCHFT_LIGHTHOUSE); start one with "
+                         "torchft_lighthouse --min_replicas M, or let gradsync train "
+                         "--ft-groups N start it on this machine")
+    return addr if "://" in addr else f"http://{addr}"

@@ -1,0 +1,43 @@
+"""What a healing group receives from a live peer: this rank's own part of the state.
+
+torchft sends it from rank ``j`` of a healthy group to rank ``j`` of the group that
+heals, over HTTP, from inside its quorum thread on the sender. So the state must
+be readable without a collective (the sender's other ranks are not in step with
+that thread): each rank's *local* part. Groups have the same size and the same
+strategy, so rank ``j``'s shard layout is the same in every group.
+
+* ddp: the whole module and the whole optimizer state (each rank holds both);
+* zero1 / zero2: the whole module (parameters are replicated) and this rank's
+  optimizer shard, master slices included (``ZeroOptimizer.state_dict``);
+* zero3: the module wrapper's own state (this rank's parameter shards) and its
+  optimizer shard.
+
+Loading runs in the training thread on every rank of the healing group at once,
+so a load that is itself a collective inside the group (ZeRO's all-gather of the
+parameters after its masters are set) is safe there.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from ..engine.strategy.exact import FullyShardedStrategy
+
+
+def _holder(strategy):
+    """The module whose ``state_dict`` is this rank's own part of the parameters."""
+    return strategy.model if isinstance(strategy, FullyShardedStrategy) else strategy.module
+
+
+def local_state(strategy) -> dict:
+    """This rank's part of the model and optimizer, copied (the sender keeps training)."""
+    return {"model": {k: v.detach().clone() for k, v in _holder(strategy).state_dict().items()},
+            "optimizer": copy.deepcopy(strategy.optimizer.state_dict()),
+            "extra": copy.deepcopy(strategy.extra_state())}
+
+
+def load_local_state(strategy, state: dict) -> None:
+    """Load what :func:`local_state` produced on the same rank of a peer group."""
+    _holder(strategy).load_state_dict(state["model"])
+    strategy.optimizer.load_state_dict(state["optimizer"])
+    strategy.load_extra_state(state.get("extra") or {})

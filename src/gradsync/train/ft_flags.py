@@ -1,0 +1,40 @@
+"""What ``--ft-groups`` / ``--ft-group`` accept, checked before anything starts.
+
+Fault-tolerant runs carry today's exact strategies inside a group (ddp, zero1-3)
+and sum exactly across groups. What they do not carry yet is refused in one line
+rather than silently dropped: local updates and compression across the quorum
+(their state and their sums are not per-step item-weighted yet), the speed
+balancer (the quorum deals each step's batch) and hierarchical collectives
+(a group is already one host; across groups torchft's process group carries it).
+"""
+
+from __future__ import annotations
+
+from ..errors import UsageError
+
+
+def check_ft(cfg) -> None:
+    """Refuse flag combinations a fault-tolerant run cannot honour, naming the flag."""
+    if not isinstance(cfg.ft_groups, int) or cfg.ft_groups < 0:
+        raise UsageError(f"--ft-groups must be an integer >= 0, got {cfg.ft_groups!r}")
+    if cfg.ft_group != -1 and not cfg.ft_groups:
+        raise UsageError("--ft-group needs --ft-groups N, the number of replica groups")
+    if cfg.ft_groups and not -1 <= cfg.ft_group < cfg.ft_groups:
+        raise UsageError(f"--ft-group must be in 0..{cfg.ft_groups - 1} for --ft-groups "
+                         f"{cfg.ft_groups}, got {cfg.ft_group}")
+    if not cfg.ft_timeout > 0:
+        raise UsageError(f"--ft-timeout must be > 0, got {cfg.ft_timeout!r}")
+    if not cfg.ft_groups:
+        return
+    refused = [(cfg.sync != "exact", f"--sync {cfg.sync}"),
+               (cfg.compress != "none", f"--compress {cfg.compress}"),
+               (cfg.balance != "off", f"--balance {cfg.balance}"),
+               (cfg.collectives not in ("native", "auto"), f"--collectives {cfg.collectives}")]
+    for bad, flag in refused:
+        if bad:
+            raise UsageError(f"{flag} does not combine with --ft-groups yet: across replica "
+                             "groups gradsync sums the exact gradient (--sync exact, --compress "
+                             "none, --balance off, --collectives native)")
+    if cfg.ft_group == -1 and cfg.global_batch < cfg.ft_groups * cfg.workers:
+        raise UsageError(f"--global-batch {cfg.global_batch} is smaller than --ft-groups "
+                         f"{cfg.ft_groups} x --workers {cfg.workers}: every worker needs a sample")
