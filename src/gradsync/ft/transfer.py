@@ -12,15 +12,22 @@ strategy, so rank ``j``'s shard layout is the same in every group.
 * zero3: the module wrapper's own state (this rank's parameter shards) and its
   optimizer shard.
 
-Loading runs in the training thread on every rank of the healing group at once,
-so a load that is itself a collective inside the group (ZeRO's all-gather of the
-parameters after its masters are set) is safe there.
+(``--ft-groups`` refuses ZeRO for now, ``train/ft_flags.py``: the sharded paths
+here and in ``cross_reduce.py`` are not yet exact under torchft; kept so the
+work to carry ZeRO starts from them.)
+
+Loading must not be a collective either: torchft decides healing per group rank
+(at a fresh job's first quorum it spreads the sources, so rank 0 of a group may
+heal from one peer while rank 1 is itself a source). So ZeRO's optimizer shard is
+loaded without its all-gather of the parameters (``gather=False``): the full
+parameters arrive in the module's own state, which every rank holds whole.
 """
 
 from __future__ import annotations
 
 import copy
 
+from ..engine.sharded.zero import ZeroOptimizer
 from ..engine.strategy.exact import FullyShardedStrategy
 
 
@@ -39,5 +46,8 @@ def local_state(strategy) -> dict:
 def load_local_state(strategy, state: dict) -> None:
     """Load what :func:`local_state` produced on the same rank of a peer group."""
     _holder(strategy).load_state_dict(state["model"])
-    strategy.optimizer.load_state_dict(state["optimizer"])
+    if isinstance(strategy.optimizer, ZeroOptimizer):
+        strategy.optimizer.load_state_dict(state["optimizer"], gather=False)
+    else:
+        strategy.optimizer.load_state_dict(state["optimizer"])
     strategy.load_extra_state(state.get("extra") or {})

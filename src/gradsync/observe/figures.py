@@ -20,6 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from .balance_view import CAPTION as BALANCE_CAPTION  # noqa: E402
 from .balance_view import balance_figure  # noqa: E402
 from .figures_run import COLORS, comm_figure, memory_figure, png, timeline_figure  # noqa: E402
+from .ft_view import FIGURE as FT_FIGURE  # noqa: E402
+from .ft_view import ft_figure  # noqa: E402
 from .run_data import RunData  # noqa: E402
 from .step_marks import StepMarks  # noqa: E402
 from .sync_mode import LOCAL, sync_mode  # noqa: E402
@@ -136,6 +138,10 @@ def make_figures(run: RunData, measured: StepTimeline | None,
         marks.mark("communication.png", comm[0])
         out["communication.png"] = Figure(png(comm[0]),
                                           comm[1] + marks.caption("communication.png"))
+    ft = ft_figure(run)  # drawn in its own section of the page, as the timeline is
+    if ft is not None:
+        marks.mark(FT_FIGURE, ft[0])
+        out[FT_FIGURE] = Figure(png(ft[0]), ft[1] + marks.caption(FT_FIGURE))
     timeline = timeline_figure(measured, predicted)
     if timeline is not None:
         out["timeline.png"] = Figure(*timeline)

@@ -21,6 +21,8 @@ from ..rundir import REPORT, sync_description, write_bytes, write_text
 from .balance_view import balance_rows
 from .exactness import exactness_html, run_traffic_line
 from .figures import Figure, make_figures
+from .ft_view import FIGURE as FT_FIGURE
+from .ft_view import ft_steps, ft_summary_row, ft_table
 from .run_data import RunData, load_run
 from .segments import segments, segments_text
 from .timeline import StepTimeline, measured_step, predicted_step
@@ -108,6 +110,7 @@ def _key_numbers(run: RunData) -> list[tuple[str, str]]:
                else "workers restarted")
         rows.append((f"restart {e.get('attempt', '?')}",
                      f"{who}; continued from step {e.get('step', '?')}"))
+    rows += ft_summary_row(run)
     rows += balance_rows(run)
     eff = s.get("scaling_efficiency") or med("scaling_efficiency")
     rows.append(("scaling efficiency vs 1 worker",
@@ -155,6 +158,7 @@ def _steps_table(run: RunData) -> str:
 
 
 TIMELINE = "timeline.png"
+SECTION_FIGURES = (TIMELINE, FT_FIGURE)  # drawn in their own sections, not under the summary
 
 
 def _figure_html(name: str, fig: Figure) -> str:
@@ -178,6 +182,17 @@ def _timeline_html(run: RunData, figures: dict[str, Figure],
     return head + _figure_html(TIMELINE, figures[TIMELINE]) + notes
 
 
+def _ft_html(run: RunData, figures: dict[str, Figure]) -> str:
+    """Where a fault-tolerant group's run spent its failures; nothing for any other run."""
+    if not ft_steps(run):
+        return ""
+    fig = _figure_html(FT_FIGURE, figures[FT_FIGURE]) if FT_FIGURE in figures else ""
+    return ("<h2>Fault tolerance</h2><p class='note'>This group's view of the replica groups "
+            "(--ft-groups): every step's gradient is the exact mean over the same global "
+            "batch whatever the quorum; a failure costs redone steps, waits and restarts, "
+            "counted here from metrics.jsonl.</p>" + fig + _table(ft_table(run)))
+
+
 def render_page(run: RunData, figures: dict[str, Figure], timelines: list[StepTimeline],
                 missing: list[str]) -> str:
     parts = [f"<h1>gradsync run report</h1><p class='note'>{_e(os.path.abspath(run.path))} "
@@ -186,7 +201,9 @@ def render_page(run: RunData, figures: dict[str, Figure], timelines: list[StepTi
         parts.append("<div class='missing'><b>Missing from this run:</b><ul>" + "".join(
             f"<li>{_e(x)}</li>" for x in missing) + "</ul></div>")
     parts.append("<h2>Summary</h2>" + _table(_key_numbers(run)))
-    parts += [_figure_html(name, fig) for name, fig in figures.items() if name != TIMELINE]
+    parts += [_figure_html(name, fig) for name, fig in figures.items()
+              if name not in SECTION_FIGURES]
+    parts.append(_ft_html(run, figures))
     parts.append(_timeline_html(run, figures, timelines))
     parts.append(_memory_html(run))
     parts.append("<h2>Exactness and replica drift</h2>" + exactness_html(run))

@@ -8,6 +8,11 @@ recognised from what every step record holds: ``time_s`` (seconds since this
 session's loop started) falls back when a new session begins, and
 ``world_size`` changes when the worker count does. Restart events (written by
 elastic restarts) mark the same points and are honoured too.
+
+A fault-tolerant run's ``world_size`` counts the ranks of every group in the
+step's quorum (``quorum``), so it changes whenever a group dies or comes back,
+with no resume in this group; there a stretch's worker count is the group's own,
+``world_size`` over the quorum's size.
 """
 
 from __future__ import annotations
@@ -36,13 +41,19 @@ def segments(records: list[dict], events: list[dict] = ()) -> list[Segment]:
         if i < len(rows) and not _new_session(rows[i - 1], rows[i], restarted):
             continue
         seg = rows[start:i]
-        out.append(Segment(seg[0]["step"], seg[-1]["step"], int(seg[0].get("world_size") or 1)))
+        out.append(Segment(seg[0]["step"], seg[-1]["step"], _workers(seg[0])))
         start = i
     return out
 
 
+def _workers(rec: dict) -> int:
+    """This session's workers: a fault-tolerant step's ranks over its quorum's groups."""
+    world, quorum = int(rec.get("world_size") or 1), rec.get("quorum")
+    return max(1, world // len(quorum)) if isinstance(quorum, list) and quorum else world
+
+
 def _new_session(prev: dict, rec: dict, restarted: set) -> bool:
-    if rec.get("world_size") != prev.get("world_size") or rec["step"] - 1 in restarted:
+    if _workers(rec) != _workers(prev) or rec["step"] - 1 in restarted:
         return True
     t0, t1 = prev.get("time_s"), rec.get("time_s")
     return isinstance(t0, (int, float)) and isinstance(t1, (int, float)) and t1 < t0

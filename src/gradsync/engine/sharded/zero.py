@@ -234,10 +234,13 @@ class ZeroOptimizer(torch.optim.Optimizer, ZeroReduction):
                           for s in self._shards],
                 "optimizer": self.optimizer.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, gather: bool = True) -> None:
         """Load a shard saved by this rank with the same world size and layout.
 
         A different world size goes through ``gradsync.engine.sharded.checkpoint``.
+        ``gather=False``: leave the full parameters as they are (no collective), for a
+        caller that loads the matching full parameters itself -- a fault-tolerant
+        heal, where torchft may heal some ranks of a group and not others.
         """
         if state.get("world") != self.world or state.get("rank") != self.rank:
             raise UsageError(f"state dict is rank {state.get('rank')} of {state.get('world')}, "
@@ -249,7 +252,8 @@ class ZeroOptimizer(torch.optim.Optimizer, ZeroReduction):
             for s, m in zip(self._shards, state["masters"]):
                 s.master.copy_(m)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.gather_params()
+        if gather:
+            self.gather_params()
 
     @torch.no_grad()
     def gather_params(self) -> None:
