@@ -1,10 +1,12 @@
 """Live recovery: a restarted group heals from a peer, even when killed mid-transfer,
 and a dead lighthouse that comes back costs a pause, not the run.
 
-* two groups (a quorum needs both); group 1 SIGKILLed during step 4, restarted by
-  its launcher, SIGKILLed again the moment it has received group 0's state (before
-  loading it), restarted again: it heals, and both end at the uninterrupted model
-  (1e-12) while group 0 waited without restarting;
+* two groups of two workers (a quorum needs both groups; the batch of 10 deals
+  3/3/2/2 over the four ranks, and each rank sends half the gradient across
+  groups); rank 1 of group 1 SIGKILLed during step 4, the group restarted by its
+  launcher, SIGKILLed again the moment rank 1 has received its peer's state
+  (before loading it), restarted again: it heals, and both groups end at the
+  uninterrupted model (1e-12) while group 0 waited without restarting;
 * the cluster form (torchft's own `torchft_lighthouse`, one `gradsync train
   --ft-group i` per group): the lighthouse SIGKILLed after step 3 and started again
   on the same address two seconds later; both groups continue and end at the same
@@ -25,12 +27,12 @@ from .helpers import ROOT, TRAIN, env, final_model, max_diff, restarts, run_trai
 def test_a_group_killed_while_receiving_state_heals_on_its_next_start(tmp_path, straight):
     model, _ = straight
     out = tmp_path / "ft"
-    proc, _ = run_train(["--workers", "1", "--ft-groups", "2", "--max-restarts", "2",
+    proc, _ = run_train(["--workers", "2", "--ft-groups", "2", "--max-restarts", "2",
                          "--out", str(out)], tmp_path,
-                        GRADSYNC_FT_FAULT="1/0:3:kill,1/0:3:kill-in-heal@1")
+                        GRADSYNC_FT_FAULT="1/1:3:kill,1/1:3:kill-in-heal@1")
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
-    assert "injected fault kill-in-heal on rank 0 at step 4 (attempt 1" in text
+    assert "injected fault kill-in-heal on rank 1 at step 4 (attempt 1" in text
     for g in (0, 1):
         assert max_diff(final_model(out / f"group-{g}"), model) <= 1e-12, g
     assert not restarts(out / "group-0")

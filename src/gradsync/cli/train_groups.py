@@ -27,7 +27,8 @@ import time
 from ..errors import UsageError
 
 FAULT_ENV = "GRADSYNC_FT_FAULT"
-FINISH_GRACE_S = 30.0
+FINISH_GRACE_S = 60.0  # a group that committed the last step: its summary and report
+LAGGARD_GRACE_S = 5.0  # one that did not: it can no longer catch up
 
 
 def group_faults(spec: str, groups: int) -> dict[int, str]:
@@ -67,21 +68,37 @@ def _relay(proc: subprocess.Popen, name: str, lock: threading.Lock) -> None:
             sys.stdout.flush()
 
 
+def _reached_the_end(cfg, group: int) -> bool:
+    """Whether group ``group`` committed the last step (it is writing its summary)."""
+    from ..rundir import METRICS, read_metrics
+
+    path = os.path.join(cfg.out, f"group-{group}", METRICS)
+    return os.path.exists(path) and any(r.get("step") == cfg.steps and "loss" in r
+                                        for r in read_metrics(path)[0])
+
+
 def _wait(procs: list, cfg) -> list[int]:
     """Every group's exit code. Once one group has finished every step, the job is done:
-    a group still waiting for a quorum (it restarted too late to rejoin) is stopped
-    after ``FINISH_GRACE_S``, rather than waiting out its quorum timeout alone."""
+    a group still running that has not committed the last step (it restarted too late
+    to rejoin, and would wait out its quorum timeout alone) is stopped after
+    ``LAGGARD_GRACE_S``; one that has is writing its summary and report, and gets
+    ``FINISH_GRACE_S``."""
     finished_at = None
     while any(p.poll() is None for p, _ in procs):
         if finished_at is None and any(p.poll() == 0 for p, _ in procs):
             finished_at = time.monotonic()
-        if finished_at is not None and time.monotonic() - finished_at > FINISH_GRACE_S:
+        if finished_at is not None:
+            waited = time.monotonic() - finished_at
             for g, (p, _) in enumerate(procs):
-                if p.poll() is None:
-                    print(f"gradsync train: stopping group {g}: another group finished "
-                          f"every step {FINISH_GRACE_S:.0f} s ago", flush=True)
+                if p.poll() is not None:
+                    continue
+                done = _reached_the_end(cfg, g)
+                if waited > (FINISH_GRACE_S if done else LAGGARD_GRACE_S):
+                    print(f"gradsync train: stopping group {g}: another group finished every "
+                          f"step {waited:.0f} s ago"
+                          + ("" if done else " and this one is not in the last quorum"),
+                          flush=True)
                     p.terminate()
-            break
         time.sleep(0.2)
     codes = [p.wait() for p, _ in procs]
     for _, relay in procs:

@@ -1,11 +1,11 @@
 """Fault-tolerant training across replica groups, on torchft: failures do not stop the world.
 
 A *replica group* is one torchrun job (a host, in netlab) running gradsync's exact
-data parallelism inside it (ddp; ZeRO is refused for now, ``train/ft_flags.py``). Across groups, every optimizer step
-goes through that step's *quorum*, decided by torchft's lighthouse: survivors keep
-training when a group dies, and a restarted or new group heals from a live peer
-(model, optimizer, schedule and data position) at the next quorum. Nobody
-restarts but the group that failed.
+data parallelism inside it (ddp; ZeRO is refused for now, ``train/ft_flags.py``).
+Across groups, every optimizer step goes through that step's *quorum*, decided
+by torchft's lighthouse: survivors keep training when a group dies, and a
+restarted or new group heals from a live peer (model, optimizer, schedule and
+data position) at the next quorum. Nobody restarts but the group that failed.
 
 What gradsync adds to torchft is the exact result (``docs/fault_tolerance.md``):
 

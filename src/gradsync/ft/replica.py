@@ -79,10 +79,12 @@ class ReplicaGroup:
         self._load_fn = load_fn
         self.healed_now = False
         pg = tf.ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
+        host, port, self._store_server = attempt_store(rank, quorum_timeout_s)
         self.manager = tf.Manager(
             pg=pg, load_state_dict=self._load, state_dict=state_fn, min_replica_size=1,
             use_async_quorum=False, replica_id=f"{GROUP_ID_PREFIX}{group}",
             lighthouse_addr=lighthouse, rank=rank, world_size=world,
+            store_addr=host, store_port=port,
             timeout=timedelta(seconds=timeout_s),
             quorum_timeout=timedelta(seconds=quorum_timeout_s),
             connect_timeout=timedelta(seconds=quorum_timeout_s), init_sync=True)
@@ -175,6 +177,33 @@ class ReplicaGroup:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def attempt_store(rank: int, timeout_s: float):
+    """(host, port, server or None): a store of this launch attempt's own for the Manager.
+
+    torchft's Manager publishes rank 0's manager address in the store it is given,
+    and every rank reads it there. torchrun's store outlives a restart of the
+    workers, so with it a restarted rank 1 could read the address of the rank 0
+    that died and send its quorum requests nowhere (seen: a restarted group of two
+    workers never joined a quorum). Rank 0 of each attempt starts a new TCPStore and
+    publishes its port under a key named by the attempt.
+    """
+    from torch.distributed import TCPStore
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from ..dist import restart_count
+
+    key = f"gradsync_ft/manager_store/{restart_count()}"
+    store = _get_default_store()
+    host = os.environ.get("MASTER_ADDR", "localhost")
+    server = None
+    if rank == 0:
+        server = TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+        store.set(key, str(server.port))
+    port = int(store.get(key).decode())
+    return host, port, server
 
 
 def lighthouse_address(given: str | None) -> str:

@@ -265,7 +265,12 @@ class TrainConfig:
     def accumulation(self, world_size: int, resuming: bool = False) -> int:
         """Micro-steps per optimizer step; the global batch must divide exactly.
         ``resuming``: the global batch is the run's own, so the error lists the worker
-        counts and micro-batches that split it (``train/splits.py``), not other batches."""
+        counts and micro-batches that split it (``train/splits.py``), not other batches.
+        Across replica groups the quorum deals each step's batch (``ft/shares.py``): the
+        count with every group present, rounded up, and nothing has to divide."""
+        if self.ft_groups:
+            per_rank = -(-self.global_batch // (self.ft_groups * world_size))
+            return max(1, -(-per_rank // self.micro_batch))
         per_step = self.micro_batch * world_size
         if self.global_batch % per_step and resuming:
             raise UsageError(

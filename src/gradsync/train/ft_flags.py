@@ -32,6 +32,7 @@ def check_ft(cfg) -> None:
                (cfg.sync != "exact", f"--sync {cfg.sync}"),
                (cfg.compress != "none", f"--compress {cfg.compress}"),
                (cfg.balance != "off", f"--balance {cfg.balance}"),
+               (cfg.baseline, "--baseline"),
                (cfg.collectives not in ("native", "auto"), f"--collectives {cfg.collectives}")]
     for bad, flag in refused:
         if bad:

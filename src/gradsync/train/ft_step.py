@@ -28,13 +28,6 @@ from ..ft.transfer import load_local_state, local_state
 BARRIER_ENV = "GRADSYNC_FT_BARRIER"  # set by the one-machine launcher (cli/train_groups.py)
 
 
-def accumulation(cfg, group_world: int) -> int:
-    """Micro-steps per rank with every group present (what the config records); a
-    smaller quorum takes more (``shares.micro_split``)."""
-    per_rank = -(-cfg.global_batch // (cfg.ft_groups * group_world))
-    return max(1, -(-per_rank // cfg.micro_batch))
-
-
 def attach(sess) -> ReplicaGroup:
     """Join the replica groups: the lighthouse's quorum decides every step from now on."""
     cfg = sess.cfg

@@ -152,7 +152,7 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
     rank, world = info.rank, info.world_size
     accum = None  # the same answer (or error) on every rank; the error after the decision,
     with contextlib.suppress(UsageError):  # as a continued run keeps its global batch
-        accum = ft_step.accumulation(cfg, world) if cfg.ft_group >= 0 else cfg.accumulation(world)
+        accum = cfg.accumulation(world)
     slowdown = Slowdown(cfg.straggler, rank, world)  # likewise
     _interrupt_on_sigterm()
     faults = faults or FaultInjector()
