@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
-import multiprocessing.forkserver as forkserver
-import multiprocessing.resource_tracker as resource_tracker
 import os
 import signal
 import sys
@@ -31,46 +28,11 @@ from . import dist as gdist
 from . import hang_report
 from .errors import UsageError
 from .failures import SECONDARY, describe_failures, restart_failures
+from .forkserver.start import ensure_running as _start_forkserver
 from .heap import keep_freed_memory
 from .lifeline import die_with
 
 _ECHO_GRACE_S = 3.0
-_preloaded = False
-
-
-# Imported once in the forkserver, so each worker forks with them loaded. torch._dynamo
-# is what torch.optim.Optimizer.__init__ imports on first use: measured 2-8 s per worker
-# on this 2-core machine under load, every launch, when left to the workers. SIGINT is
-# quiet around them (gradsync.forkserver): a Ctrl-C there printed torch's import traceback.
-_PRELOAD = ["gradsync.forkserver.exit_on_sigint", "torch", "torch.distributed", "torch._dynamo",
-            "gradsync.launch", "gradsync.forkserver.restore_sigint"]
-
-
-def _start_forkserver() -> None:
-    """Start (or restart) the workers' forkserver with Ctrl-C kept from its startup.
-
-    The forkserver runs in the caller's process group, so a terminal's Ctrl-C
-    reaches it. Started with SIGINT *blocked* (the signal mask is inherited across
-    fork and exec), its interpreter startup cannot print a KeyboardInterrupt
-    traceback; its first preload module installs a quiet exit and unblocks, so a
-    Ctrl-C that arrived meanwhile ends it there, and its last gives workers the
-    default handler (``gradsync.forkserver``). Blocking rather than ignoring keeps
-    the signal pending for the caller too: a Ctrl-C during the fork+exec itself is
-    delivered (KeyboardInterrupt) as soon as the mask is restored, not lost.
-    """
-    global _preloaded
-    if not _preloaded:
-        multiprocessing.set_forkserver_preload(_PRELOAD)
-        _preloaded = True
-    # The resource tracker first: starting it *unblocks* SIGINT (multiprocessing's own
-    # block/unblock), which inside our block let the forkserver start with Ctrl-C live
-    # and print an import traceback from its interpreter startup.
-    resource_tracker.ensure_running()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        forkserver.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _record_and_die(exc: BaseException) -> None:

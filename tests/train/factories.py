@@ -104,7 +104,9 @@ def regression32() -> torch.utils.data.TensorDataset:
 
 class _Slow(nn.Module):
     """tiny64 whose forward takes ``$GRADSYNC_TEST_FORWARD_S`` seconds (default 0.03): a
-    run long enough for a second torchrun agent to join it in the middle."""
+    run long enough for a second torchrun agent to join it in the middle. Once the file
+    ``$GRADSYNC_TEST_FORWARD_FILE`` exists, its content is the delay instead: a test sets
+    it to 0 when the slow part has done its job, and the rest of the run goes at speed."""
 
     def __init__(self):
         super().__init__()
@@ -113,7 +115,15 @@ class _Slow(nn.Module):
     def forward(self, x):
         import time
 
-        time.sleep(float(os.environ.get("GRADSYNC_TEST_FORWARD_S", "0.03")))
+        delay = os.environ.get("GRADSYNC_TEST_FORWARD_S", "0.03")
+        control = os.environ.get("GRADSYNC_TEST_FORWARD_FILE")
+        if control:
+            try:
+                with open(control) as f:
+                    delay = f.read().strip() or delay
+            except FileNotFoundError:
+                pass
+        time.sleep(float(delay))
         return self.net(x)
 
 
