@@ -33,6 +33,7 @@ from .heap import keep_freed_memory
 from .lifeline import die_with
 
 _ECHO_GRACE_S = 3.0
+PEER_RECORD_GRACE_S = 1.0  # after a worker fails, before the agent stops the rest
 
 
 def _record_and_die(exc: BaseException) -> None:
@@ -93,7 +94,8 @@ def _worker_entry(fn: Callable, backend: str | None, timeout_s: float | None,
 
 @contextlib.contextmanager
 def _watch_restarts(on_restart: Callable[[list[dict]], None] | None):
-    """Tell ``on_restart`` which workers failed, before the agent restarts them.
+    """Tell ``on_restart`` which workers failed, before the agent restarts them; and
+    give the other workers a moment to record the failure before they are stopped.
 
     torch's agent keeps a failed attempt's record to itself and only says "restart"
     in its log. For the duration of one launch, the agent class the launcher builds
@@ -101,9 +103,6 @@ def _watch_restarts(on_restart: Callable[[list[dict]], None] | None):
     attempt's workers start (every worker of the failed attempt is stopped by then,
     so the callback may write where they wrote). Restored on the way out.
     """
-    if on_restart is None:
-        yield
-        return
     import torch.distributed.launcher.api as launcher_api
 
     base = launcher_api.LocalElasticAgent
@@ -115,11 +114,17 @@ def _watch_restarts(on_restart: Callable[[list[dict]], None] | None):
             result = super()._monitor_workers(worker_group)
             if result.failures:
                 self._gradsync_failed = result.failures
+                # The agent stops the other workers as soon as it returns. A peer
+                # blocked in a collective with the dead rank needs a moment to see
+                # the broken connection and write its flight record, which is what
+                # the hang report names the dead rank from (seen on a loaded machine:
+                # stopped first, no record, no report).
+                time.sleep(PEER_RECORD_GRACE_S)
             return result
 
         def _start_workers(self, worker_group):
             failed, self._gradsync_failed = self._gradsync_failed, None
-            if failed:
+            if failed and on_restart is not None:
                 try:
                     on_restart(restart_failures(failed))
                 except Exception as e:  # noqa: BLE001 - a note must not stop the restart
