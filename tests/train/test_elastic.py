@@ -113,7 +113,9 @@ def test_three_kills_under_torchrun_end_bit_identical(tmp_path, straight):
         assert f"continuing from step {step}" in text
     # the ranks that lose a peer say so in one line each: no gloo traceback, no atexit noise
     assert "Traceback" not in text and "Exception ignored" not in text, text[-4000:]
-    assert "stopped: another worker failed (Connection reset" in text
+    # gloo words a dead peer either way, depending on which read or write meets it first
+    assert re.search(r"stopped: another worker failed \(Connection (reset|closed)", text), \
+        text[-4000:]
 
     recovery, resumed = [], []  # kill -> restarted workers resumed -> next step completed
     for t_kill, kind in kills:
