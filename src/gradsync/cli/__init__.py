@@ -16,7 +16,6 @@ import shlex
 import sys
 
 from ..errors import StorageError, UsageError
-from ..forkserver import start as forkserver_start
 from ..sigint import held
 
 # (module name under gradsync.cli, help line). Adding a command is one line here.
@@ -48,28 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _launches_workers(argv: list[str]) -> bool:
-    """Whether this command line is a `gradsync train` that starts workers from here
-    (not ``--help``; not the lighthouse of ``--ft-groups``, whose groups launch)."""
-    flags = {a.split("=", 1)[0] for a in argv[1:]}
-    return (argv[:1] == ["train"] and not flags & {"-h", "--help"}
-            and ("--ft-groups" not in flags or "--ft-group" in flags))
-
-
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return _main(argv)
-    finally:
-        forkserver_start.release_unused()  # a usage error: no worker will come
-
-
-def _main(argv: list[str] | None) -> int:
-    try:
-        if argv is None and _launches_workers(sys.argv[1:]):
-            # the workers' forkserver imports torch while this process does (they took
-            # 5 s and 3 s one after the other); outside held(): see forkserver.start
-            forkserver_start.early()
-        # building the parser imports torch: seconds in which Ctrl-C may come, and
+    try:  # building the parser imports torch: seconds in which Ctrl-C may come, and
         with held():  # torch's import would swallow it (gradsync.sigint): raised after
             parser = build_parser()
     except KeyboardInterrupt:
