@@ -21,6 +21,7 @@ examples:
   gradsync netlab check
   gradsync netlab run --hosts 2 --rate 100mbit -- -m gradsync.train --model mlp --steps 5
   gradsync netlab run --hosts 3 --rate 1gbit -- my_script.py --flag
+  gradsync netlab run --ft-groups 3 --chaos 3,1,1 -- -m gradsync.train --model gpt --steps 300
   gradsync netlab calibrate --hosts 2 --procs-per-host 2 --rate 100mbit --png links.png
   gradsync netlab clean          # remove namespaces left by killed invocations
 Rates are tc's: 100mbit, 400mbit, 1gbit (bits per second; also 12.5MB/s)."""
@@ -48,6 +49,16 @@ def register(subparsers, help_line: str):
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _lab_flags(r)
     r.add_argument("--quiet", action="store_true", help="do not stream the hosts' output")
+    r.add_argument("--ft-groups", type=int, default=0, metavar="N",
+                   help="fault-tolerant replica groups: N hosts run one `gradsync train "
+                   "--ft-group i` each (--procs-per-host workers), one more runs torchft's "
+                   "lighthouse; ARGS are gradsync train's flags (docs/fault_tolerance.md)")
+    r.add_argument("--max-restarts", type=int, default=3,
+                   help="with --ft-groups: restarts of a group's workers (default 3)")
+    r.add_argument("--chaos", metavar="W,H,P",
+                   help="with --ft-groups: W worker kills, H host kills, P partitions (8 s) "
+                   "at random steps in the first 60%% of --steps")
+    r.add_argument("--chaos-seed", type=int, default=0, help="seed of the --chaos schedule")
     r.add_argument("args", nargs=argparse.REMAINDER,
                    help="-- then torchrun's script part: -m MODULE ... or SCRIPT.py ...")
     r.set_defaults(run=run_run)
@@ -108,6 +119,16 @@ def run_run(args) -> int:
         raise UsageError("nothing to run: give torchrun's script part after --, "
                          "e.g. -- -m gradsync.train --model mlp")
     _require()
+    if args.ft_groups:
+        from .netlab_groups import run_groups
+
+        if args.ft_groups < 2:
+            raise UsageError(f"--ft-groups must be >= 2 (one group per host), got "
+                             f"{args.ft_groups}")
+        _lab(args)  # the flags' own checks
+        return run_groups(args, rest)
+    if args.chaos:
+        raise UsageError("--chaos needs --ft-groups N (faults are survived by replica groups)")
     lab = _lab(args)
     from ..netlab.view import results_table
     from ..observe.plan_tables import print_table

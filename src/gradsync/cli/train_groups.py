@@ -25,10 +25,9 @@ import threading
 import time
 
 from ..errors import UsageError
+from ..ft.job_end import grace_left, group_dir, last_committed
 
 FAULT_ENV = "GRADSYNC_FT_FAULT"
-FINISH_GRACE_S = 60.0  # a group that committed the last step: its summary and report
-LAGGARD_GRACE_S = 5.0  # one that did not: it can no longer catch up
 
 
 def group_faults(spec: str, groups: int) -> dict[int, str]:
@@ -58,7 +57,7 @@ def group_argv(argv: list[str], group: int, lighthouse: str, out: str) -> list[s
             continue
         keep.append(a)
     return [*keep, "--ft-group", str(group), "--ft-lighthouse", lighthouse,
-            "--out", os.path.join(out, f"group-{group}")]
+            "--out", group_dir(out, group)]
 
 
 def _relay(proc: subprocess.Popen, name: str, lock: threading.Lock) -> None:
@@ -68,21 +67,9 @@ def _relay(proc: subprocess.Popen, name: str, lock: threading.Lock) -> None:
             sys.stdout.flush()
 
 
-def _reached_the_end(cfg, group: int) -> bool:
-    """Whether group ``group`` committed the last step (it is writing its summary)."""
-    from ..rundir import METRICS, read_metrics
-
-    path = os.path.join(cfg.out, f"group-{group}", METRICS)
-    return os.path.exists(path) and any(r.get("step") == cfg.steps and "loss" in r
-                                        for r in read_metrics(path)[0])
-
-
 def _wait(procs: list, cfg) -> list[int]:
-    """Every group's exit code. Once one group has finished every step, the job is done:
-    a group still running that has not committed the last step (it restarted too late
-    to rejoin, and would wait out its quorum timeout alone) is stopped after
-    ``LAGGARD_GRACE_S``; one that has is writing its summary and report, and gets
-    ``FINISH_GRACE_S``."""
+    """Every group's exit code; once one group has finished every step, the others get
+    the grace of ``ft/job_end.py`` and are then stopped."""
     finished_at = None
     while any(p.poll() is None for p, _ in procs):
         if finished_at is None and any(p.poll() == 0 for p, _ in procs):
@@ -92,8 +79,8 @@ def _wait(procs: list, cfg) -> list[int]:
             for g, (p, _) in enumerate(procs):
                 if p.poll() is not None:
                     continue
-                done = _reached_the_end(cfg, g)
-                if waited > (FINISH_GRACE_S if done else LAGGARD_GRACE_S):
+                if grace_left(cfg.out, g, cfg.steps, waited) <= 0:
+                    done = last_committed(cfg.out, g) >= cfg.steps
                     print(f"gradsync train: stopping group {g}: another group finished every "
                           f"step {waited:.0f} s ago"
                           + ("" if done else " and this one is not in the last quorum"),
@@ -146,5 +133,5 @@ def run_groups(cfg, argv: list[str]) -> int:
     finally:
         light.shutdown()
         shutil.rmtree(barrier, ignore_errors=True)
-    print_table(cfg, codes)
+    print_table(cfg.out, codes)
     return 0 if 0 in codes else 1

@@ -19,12 +19,13 @@ def group_figures(path: str) -> dict:
             "lost_s": sum((r.get("lost_s") or 0.0) for r in rows)}
 
 
-def print_table(cfg, codes: list[int]) -> None:
-    table = Table(title=f"replica groups ({cfg.out})")
+def print_table(out: str, codes: list) -> None:
+    """One row per group: exit code (None: stopped), steps, redone, healed, seconds lost."""
+    table = Table(title=f"replica groups ({out})")
     for col in ("group", "exit", "steps here", "last step", "redone", "healed", "seconds lost"):
         table.add_column(col, justify="right")
     for g, code in enumerate(codes):
-        f = group_figures(os.path.join(cfg.out, f"group-{g}", METRICS))
-        table.add_row(str(g), str(code), str(f["steps"]), str(f["last"]), str(f["redone"]),
-                      str(f["healed"]), f"{f['lost_s']:.1f}")
+        f = group_figures(os.path.join(out, f"group-{g}", METRICS))
+        table.add_row(str(g), "stopped" if code is None else str(code), str(f["steps"]),
+                      str(f["last"]), str(f["redone"]), str(f["healed"]), f"{f['lost_s']:.1f}")
     Console(width=100).print(table)
