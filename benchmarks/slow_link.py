@@ -107,8 +107,10 @@ def run_one(lab, workload: str, method: str, steps: int, eval_every: int, out: P
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent / "src")]),
            "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
+    links_before = lab.link_bytes()
     results = lab.torchrun(args, procs_per_host=2, timeout=timeout, env=env)
     wall = time.perf_counter() - t0
+    link_sent = sum(a[0] - b[0] for a, b in zip(lab.link_bytes(), links_before))
     failed = [r for r in results if r.returncode != 0]
     if failed:
         tail = (failed[0].stderr or failed[0].stdout or "")[-1500:]
@@ -118,6 +120,9 @@ def run_one(lab, workload: str, method: str, steps: int, eval_every: int, out: P
 
     summary = summarise(read_metrics(str(run_dir / METRICS))[0])
     summary["wall_s"] = wall
+    # measured on the emulated links (every host's interface counter, headers included,
+    # start-up and evaluations too): the bytes that crossed between hosts, per step
+    summary["link_bytes_per_step"] = link_sent / max(1, steps)
     return summary
 
 

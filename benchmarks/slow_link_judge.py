@@ -73,6 +73,8 @@ def judge(results: dict, workload: str, rate: str, quick_h: dict) -> list[dict]:
             "bound_s": bound_t, "median_step_s": run["median_step_s"],
             "per_step_vs_exact": exact_step / run["median_step_s"] if exact_step else None,
             "sent_mb_per_step": run["sent_bytes_per_step"] / 1e6,
+            "link_mb_per_step": (run["link_bytes_per_step"] / 1e6
+                                 if run.get("link_bytes_per_step") is not None else None),
             "final_eval": run["final_eval"],
             "final_vs_target": (run["final_eval"] / target - 1) if run["final_eval"] else None,
         })

@@ -27,6 +27,7 @@ COLUMNS = (  # header, row key, format, what None shows as
     ("s/step", "median_step_s", ".3f", "-"),
     ("per step vs exact", "per_step_vs_exact", ".2f", "-"),
     ("MB sent/rank/step", "sent_mb_per_step", ".3f", "-"),
+    ("link MB/step (measured)", "link_mb_per_step", ".3f", "not measured"),
     ("final loss", "final_eval", ".4f", "-"),
     ("vs target", "final_vs_target", "+.2%", "-"),
 )

@@ -156,6 +156,11 @@ class Netlab:
             signal.signal(s, h)
         self._saved_handlers = {}
 
+    def link_bytes(self) -> list[tuple[int, int]]:
+        """(sent, received) bytes so far on every host's link (``links.link_bytes``):
+        the traffic that crossed the emulated network, measured, not computed."""
+        return [links.link_bytes(h) for h in self.hosts]
+
     # -- running things inside ----------------------------------------------------------
     def popen(self, host: int | Host, argv, env: dict | None = None, **kwargs):
         """Start ``argv`` inside host ``host``'s namespace (in a session of its own)."""

@@ -22,6 +22,7 @@ gives host i group rank i); nothing is added to the machine's own namespace.
 
 from __future__ import annotations
 
+import json
 import subprocess
 from dataclasses import dataclass
 
@@ -79,3 +80,32 @@ def build(hosts: tuple[Host, ...], switch: str | None, tbf: tuple[str, ...]) -> 
         sh("ip", "-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", IFACE)
         sh("ip", "-n", h.netns, "link", "set", IFACE, "up")
         limit(h.netns, IFACE)  # the host's upload (both ends, with two hosts)
+
+
+# Ethernet (14) + IPv4 (20) + TCP with timestamps (32) per full-size segment of a
+# 1500-byte MTU, whose TCP payload is 1448 bytes.
+FRAME_OVERHEAD, MSS = 66, 1448
+
+
+def link_bytes(host: Host) -> tuple[int, int]:
+    """(bytes sent, bytes received) so far on ``host``'s link, by its interface counters.
+
+    What the counters count: every frame the host's veth sent or received,
+    headers included, so a message of ``n`` bytes over TCP counts between ``n``
+    and :func:`tcp_wire_bytes` ``(n)`` (veth passes segmentation-offloaded
+    frames of several segments under one header, so fewer headers are counted than
+    a physical NIC's wire would carry; measured: 3.1% over the payload for 4 MB,
+    against 4.6% with one header per 1448 bytes).
+    """
+    r = subprocess.run(["ip", "-n", host.netns, "-s", "-j", "link", "show", host.iface],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        raise UsageError(f"netlab: cannot read {host.netns}'s {host.iface} counters: "
+                         f"{r.stderr.strip()}")
+    stats = json.loads(r.stdout)[0]["stats64"]
+    return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
+
+
+def tcp_wire_bytes(payload: int) -> int:
+    """The most a ``payload`` of TCP data puts on the link: one header per segment."""
+    return payload + -(-payload // MSS) * FRAME_OVERHEAD
