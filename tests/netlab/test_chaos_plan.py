@@ -30,3 +30,17 @@ def test_at_rate_spaces_faults_evenly_from_the_start():
     assert [f.at_s for f in faults] == [5 + 15 * k for k in range(12)]
     assert all(f.kind == "worker" and 0 <= f.group < 3 for f in faults)
     assert at_rate(0, 3, 0, 180) == []
+
+
+def test_netlab_run_ft_groups_reads_gradsync_train_flags():
+    from gradsync.cli.netlab_groups import chaos_counts, flag_value, train_flags
+
+    assert train_flags(["-m", "gradsync.train", "--steps", "9"]) == ["--steps", "9"]
+    assert train_flags(["--steps", "9"]) == ["--steps", "9"]
+    with pytest.raises(UsageError, match="gradsync train on every host"):
+        train_flags(["my_script.py", "--flag"])
+    assert flag_value(["--steps", "5", "--steps=7"], "--steps", "0") == "7"  # the last wins
+    assert flag_value(["--out", "a"], "--steps", "100") == "100"
+    assert chaos_counts("3,1,2") == (3, 1, 2) and chaos_counts(None) == (0, 0, 0)
+    with pytest.raises(UsageError, match="W,H,P"):
+        chaos_counts("3,1")

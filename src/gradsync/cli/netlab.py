@@ -52,7 +52,8 @@ def register(subparsers, help_line: str):
     r.add_argument("--ft-groups", type=int, default=0, metavar="N",
                    help="fault-tolerant replica groups: N hosts run one `gradsync train "
                    "--ft-group i` each (--procs-per-host workers), one more runs torchft's "
-                   "lighthouse; ARGS are gradsync train's flags (docs/fault_tolerance.md)")
+                   "lighthouse (N + 1 hosts: --hosts is not used); ARGS are gradsync "
+                   "train's flags (docs/fault_tolerance.md)")
     r.add_argument("--max-restarts", type=int, default=3,
                    help="with --ft-groups: restarts of a group's workers (default 3)")
     r.add_argument("--chaos", metavar="W,H,P",
