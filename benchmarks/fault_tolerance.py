@@ -126,8 +126,9 @@ def run_job(method: str, per_minute: float, args, out: Path) -> dict:
         if method == "quorum":
             job = GroupsLab(lab, [*TRAIN, *extra], GROUPS, str(out), env=env,
                             max_restarts=1000).start()
-        else:
-            job = RestartJob(lab, str(out / "run"), extra, env)
+        else:  # torch 2.13's rendezvous needs this to restart a multi-node job (README)
+            job = RestartJob(lab, str(out / "run"), extra,
+                             {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
         t_launch = time.time()
         while job.last_committed(0) < 1 and time.time() - t_launch < 300:
             time.sleep(0.1)  # the clock starts at the first committed step: no start-up
