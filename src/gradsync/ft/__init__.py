@@ -1,7 +1,9 @@
 """Fault-tolerant training across replica groups, on torchft: failures do not stop the world.
 
 A *replica group* is one torchrun job (a host, in netlab) running gradsync's exact
-data parallelism inside it (ddp; ZeRO is refused for now, ``train/ft_flags.py``).
+data parallelism inside it (ddp or ZeRO stages 1-3; with ``--sync diloco`` the
+group is one DiLoCo worker and only its outer syncs go through a quorum,
+``outer_sync.py``).
 Across groups, every optimizer step goes through that step's *quorum*, decided
 by torchft's lighthouse: survivors keep training when a group dies, and a
 restarted or new group heals from a live peer (model, optimizer, schedule and

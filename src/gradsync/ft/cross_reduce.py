@@ -18,7 +18,10 @@ chunks back, so the slow link carries one gradient per group, not ``W``.
 
 A header travels beside the gradient: ``[n_G, loss sum, one-hot group index]``,
 so every rank learns the global item count, the exact global loss, and which
-groups the step's sum holds.
+groups the step's sum holds. Sharded strategies add which parameters their group
+used (``--find-unused-parameters``: a parameter no rank of the group used has no
+gradient there and would not be stepped): a parameter any group used is stepped
+in every group, on the quorum's sum, as one process on the whole batch steps it.
 
 Failures: torchft's allreduce swallows a peer's death and marks the manager
 errored; this function then still runs the group's all-gather (every rank of the
@@ -48,14 +51,20 @@ class QuorumSums:
     sent_bytes: int  # this rank's cross-group traffic, a ring all-reduce's 2(Q-1)/Q per byte
 
 
+def shard_owner(strategy):
+    """What holds this rank's gradient shards (a ZeroOptimizer, a zero3 model), or None."""
+    target = strategy._clip_target()
+    if hasattr(target, "grad_shards"):
+        return target
+    reduction = getattr(target, "_reduction", None)
+    return reduction if hasattr(reduction, "grad_shards") else None
+
+
 def owned_gradients(strategy) -> tuple[list[torch.Tensor], bool]:
     """(this rank's synchronised gradient tensors, whether they are shards)."""
-    target = strategy._clip_target()
-    shards = getattr(target, "grad_shards", None)
-    if shards is None:
-        shards = getattr(getattr(target, "_reduction", None), "grad_shards", None)
-    if shards is not None:
-        return [g for g in shards() if g is not None], True
+    owner = shard_owner(strategy)
+    if owner is not None:
+        return [g for g in owner.grad_shards() if g is not None], True
     grads = []
     for p in strategy.module.parameters():
         if p.requires_grad:
@@ -86,9 +95,12 @@ def cross_reduce(manager, strategy, items: float, loss_sum: float, group_rank: i
     local = torch.tensor([float(items), float(loss_sum)], dtype=torch.float64, device=device)
     comm.all_reduce(local, tag="ft_group_items")  # the group's n_G and loss sum
     n_group = float(local[0])
-    header = torch.zeros(2 + groups, dtype=torch.float64, device=device)
+    owner = shard_owner(strategy) if sharded else None
+    used = owner.grad_used() if hasattr(owner, "grad_used") else []
+    header = torch.zeros(2 + groups + len(used), dtype=torch.float64, device=device)
     header[:2] = local
     header[2 + group_index] = 1.0
+    header[2 + groups:] = torch.tensor(used, dtype=torch.float64, device=device)
     flat = _flat(grads) if grads else torch.zeros(0, device=device)
     if sharded:
         mine = flat
@@ -110,6 +122,8 @@ def cross_reduce(manager, strategy, items: float, loss_sum: float, group_rank: i
         flat = mine
     if grads:
         _scatter_back(flat, grads)
+    if used:  # used by a rank of any group: stepped in every group (ddp: a zero .grad)
+        owner.set_grad_used([u > 0.5 for u in header[2 + groups:].tolist()])
     members = tuple(k for k in range(groups) if header[2 + k] > 0.5)
     q = max(len(members), 1)
     wire = (mine.numel() * mine.element_size() + header.numel() * header.element_size())

@@ -12,15 +12,16 @@ strategy, so rank ``j``'s shard layout is the same in every group.
 * zero3: the module wrapper's own state (this rank's parameter shards) and its
   optimizer shard.
 
-(``--ft-groups`` refuses ZeRO for now, ``train/ft_flags.py``: the sharded paths
-here and in ``cross_reduce.py`` are not yet exact under torchft; kept so the
-work to carry ZeRO starts from them.)
-
 Loading must not be a collective either: torchft decides healing per group rank
 (at a fresh job's first quorum it spreads the sources, so rank 0 of a group may
 heal from one peer while rank 1 is itself a source). So ZeRO's optimizer shard is
 loaded without its all-gather of the parameters (``gather=False``): the full
-parameters arrive in the module's own state, which every rank holds whole.
+parameters arrive in the module's own state, which every rank holds whole; zero3's
+parameter shards load through ``nn.Module.load_state_dict`` of the wrapper's own
+keys, also without a collective. The loaded optimizer must stay the one the LR
+scheduler sets (``ZeroOptimizer.load_state_dict`` keeps its param groups): a healed
+rank that kept the sender's warm-up rate ended zero2 groups 2e-2 from the
+uninterrupted run (``tests/ft/test_zero_groups.py``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """What ``--ft-groups`` / ``--ft-group`` accept, checked before anything starts.
 
-Fault-tolerant runs carry ddp inside a group and sum exactly across groups. What
-they do not carry yet is refused in one line rather than silently dropped:
-ZeRO (measured: zero2 groups ended 1.3e-2 from the uninterrupted run even
-without a failure, and zero3 hung after a kill; torchft heals some ranks of a
-group and not others, which sharded state must survive), local updates and
-compression across the quorum (their state and their sums are not per-step
-item-weighted yet), the speed balancer (the quorum deals each step's batch) and
-the reference collectives.
+Fault-tolerant runs carry ddp and ZeRO stages 1-3 inside a group and sum exactly
+across groups (each rank sums the slice it owns; a healing rank loads its own
+shard without a collective, since torchft heals some ranks of a group and not
+others), and ``--sync diloco`` with one DiLoCo worker per group (``ft_local.py``).
+What they do not carry yet is refused in one line rather than silently dropped:
+streaming DiLoCo (its fragments sync on a thread while inner steps go on),
+compression across the quorum (its error-feedback state is per rank, and a
+healing rank would need its peer's), the speed balancer (the quorum deals each
+step's batch) and the reference collectives.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ def check_ft(cfg) -> None:
         raise UsageError(f"--ft-timeout must be > 0, got {cfg.ft_timeout!r}")
     if not cfg.ft_groups:
         return
-    refused = [(cfg.strategy != "ddp", f"--strategy {cfg.strategy}"),
-               (cfg.sync != "exact", f"--sync {cfg.sync}"),
+    refused = [(cfg.strategy not in ("ddp", "zero1", "zero2", "zero3"),
+                f"--strategy {cfg.strategy}"),
+               (cfg.sync == "streaming-diloco", "--sync streaming-diloco (its fragments sync on "
+                "a thread while inner steps go on, which the quorum's sum does not carry; "
+                "--sync diloco does)"),
                (cfg.compress != "none", f"--compress {cfg.compress}"),
                (cfg.balance != "off", f"--balance {cfg.balance}"),
                (cfg.baseline, "--baseline"),
@@ -37,9 +41,9 @@ def check_ft(cfg) -> None:
     for bad, flag in refused:
         if bad:
             raise UsageError(f"{flag} does not combine with --ft-groups yet: across replica "
-                             "groups gradsync sums the exact gradient of --strategy ddp (--sync "
-                             "exact, --compress none, --balance off, --collectives native or "
-                             "auto); see docs/fault_tolerance.md")
+                             "groups gradsync sums the exact gradient of --strategy ddp or "
+                             "zero1-3 (--sync exact or diloco, --compress none, --balance off, "
+                             "--collectives native or auto); see docs/fault_tolerance.md")
     if cfg.ft_group == -1 and cfg.global_batch < cfg.ft_groups * cfg.workers:
         raise UsageError(f"--global-batch {cfg.global_batch} is smaller than --ft-groups "
                          f"{cfg.ft_groups} x --workers {cfg.workers}: every worker needs a sample")

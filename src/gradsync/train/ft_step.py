@@ -29,8 +29,13 @@ BARRIER_ENV = "GRADSYNC_FT_BARRIER"  # set by the one-machine launcher (cli/trai
 
 
 def attach(sess) -> ReplicaGroup:
-    """Join the replica groups: the lighthouse's quorum decides every step from now on."""
+    """Join the replica groups: the lighthouse's quorum decides every step from now on
+    (with ``--sync diloco``: every sync, ``ft_local.py``)."""
     cfg = sess.cfg
+    if cfg.sync != "exact":
+        from .ft_local import attach_local
+
+        return attach_local(sess, os.environ.get(BARRIER_ENV))
 
     def state_fn() -> dict:
         return {"strategy": local_state(sess.strategy), "sched": sess.sched.state_dict(),
@@ -54,13 +59,20 @@ def attach(sess) -> ReplicaGroup:
 
 def share(sess, block: list[int]) -> tuple[list[int], list[list[int]]]:
     """This rank's samples of ``block`` in this step's quorum, and its micro-batches."""
+    if getattr(sess.ft, "local", False):
+        from .ft_local import share as local_share
+
+        return local_share(sess, block)
     q = sess.ft.current
     mine = quorum_share(block, q.size, q.position, sess.world, sess.rank)
     return mine, micro_split(mine, len(block), q.size * sess.world, sess.cfg.micro_batch)
 
 
 def reduce(sess, items: float, loss_sum: float) -> QuorumSums:
-    """The quorum's exact mean gradient in place of the group's; the quorum's sums."""
+    """The quorum's exact mean gradient in place of the group's; the quorum's sums.
+    None with ``--sync diloco``: an inner step's gradient stays inside the group."""
+    if getattr(sess.ft, "local", False):
+        return None
     sums = cross_reduce(sess.ft.manager, sess.strategy, items, loss_sum, sess.rank,
                         sess.world, sess.cfg.ft_group, sess.cfg.ft_groups)
     sess.ft.current.members = list(sums.members)

@@ -58,6 +58,8 @@ def train_session(sess: Session, callbacks=None) -> dict | None:
             if rec is None:  # the quorum did not commit: the same step again
                 continue
             step += 1
+            if getattr(sess.ft, "local", False):  # DiLoCo across groups: its sync, when due
+                sess.ft.after_step(rec.step)
             stop = _between_steps(sess, rec.step)
             hooks.after_step(sess, rec, saved=sess.last_checkpoint == rec.step)
             if stop:

@@ -251,7 +251,17 @@ class ZeroOptimizer(torch.optim.Optimizer, ZeroReduction):
         with torch.no_grad():
             for s, m in zip(self._shards, state["masters"]):
                 s.master.copy_(m)
+        groups, kept = self.param_groups, self.state
         self.optimizer.load_state_dict(state["optimizer"])
+        # torch's load_state_dict replaces the inner optimizer's param_groups and state
+        # with new objects; an LR scheduler sets the lr in *our* groups, so refill the
+        # ones everybody holds (else the inner optimizer keeps the loaded lr forever)
+        for mine, loaded in zip(groups, self.optimizer.param_groups):
+            mine.clear()
+            mine.update(loaded)
+        kept.clear()
+        kept.update(self.optimizer.state)
+        self.optimizer.param_groups, self.optimizer.state = groups, kept
         if gather:
             self.gather_params()
 

@@ -114,6 +114,18 @@ class ZeroReduction(BucketReduction):
                 s.bucket.buffer.untyped_storage().resize_(0)
         self._synced = True
 
+    def grad_used(self) -> list[bool]:
+        """Whether each parameter (bucket by bucket) has a synchronised gradient."""
+        return [u for s in self._shards for u in s.has_grad]
+
+    def set_grad_used(self, used: list[bool]) -> None:
+        """Mark parameters as having a (zero, where nobody here used them) gradient: a
+        replica group none of whose ranks used a parameter another group used must step
+        it too, on the quorum's sum (``ft/cross_reduce.py``)."""
+        flags = iter(used)
+        for s in self._shards:
+            s.has_grad = [next(flags) for _ in s.has_grad]
+
     def reset(self) -> None:
         for s in self._shards:
             s.reduced = s.src = s.pending = s.partial = None

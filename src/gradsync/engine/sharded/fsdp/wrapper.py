@@ -252,6 +252,18 @@ class FullyShardedDataParallel(UnitHooks, SyncedModule):
         """This rank's slice of each unit's synchronised gradient (None before a sync)."""
         return [u.grad for u in self._units]
 
+    def grad_used(self) -> list[bool]:
+        """Whether each parameter (unit by unit) has a synchronised gradient."""
+        return [h for u in self._units for h in u.has_grad]
+
+    def set_grad_used(self, used: list[bool]) -> None:
+        """``ZeroReduction.set_grad_used``: the pieces of the marked parameters get their
+        (zero) gradient, so the optimizer steps them as the other groups do."""
+        flags = iter(used)
+        for u in self._units:
+            u.has_grad = [next(flags) for _ in u.has_grad]
+            u.view.assign_grads(u.grad, u.has_grad)
+
     def full_state_dict(self) -> dict:
         """The consolidated state dict, original names (a collective: ``state.py``)."""
         return full_state_dict(self)
