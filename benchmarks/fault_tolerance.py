@@ -151,7 +151,7 @@ def run_job(method: str, per_minute: float, args, out: Path) -> dict:
     step_times = [b["unix_time"] - a["unix_time"] for rs in rows.values()
                   for a, b in zip(rs, rs[1:]) if b["step"] == a["step"] + 1]
     step_s = statistics.median(step_times) if step_times else 0.0
-    pauses, backs, never = [], [], 0
+    pauses, backs, training, never = [], [], [], 0
     for f in fired:
         k = start + f.t_s
         if method == "quorum":  # what the failure cost the survivors: their longest
@@ -162,12 +162,16 @@ def run_job(method: str, per_minute: float, args, out: Path) -> dict:
             after = [r["unix_time"] for r in rows[0] if r["unix_time"] > k]
         if after:
             (backs if method == "quorum" else pauses).append(min(after) - k)
+        if after and method == "quorum":  # healed and training: that step's start
+            first = next(r for r in rows[f.fault.group] if r["unix_time"] == min(after))
+            training.append(first["unix_time"] - first["step_time_s"] - k)
         never += not after
     ckpt = dirs[0] / "checkpoint.pt"
     return {"method": method, "per_minute": per_minute, "duration_s": round(end - start, 1),
             "start_up_s": round(start - t_launch, 1), "failures": len(fired),
             "committed_steps": committed, "goodput": committed * 12 / (end - start),
-            "pause_s": pauses, "back_s": backs, "never_back": never, "step_s": step_s,
+            "pause_s": pauses, "back_s": backs, "training_again_s": training,
+            "never_back": never, "step_s": step_s,
             "state_bytes": ckpt.stat().st_size if ckpt.exists() else None}
 
 
@@ -177,15 +181,18 @@ def _spread(xs: list[float]) -> str:
 
 def render(results: list[dict], args) -> Table:
     """pause: quorum, the survivors' longest wait between committed steps after a kill
-    beyond a step's time; restart, kill to the job's next committed step. back: kill
-    to the restarted group's first committed step. never back: kills after which the
-    window saw no committed step of the victim (quorum) or the job (restart)."""
+    beyond a step's time; restart, kill to the job's next committed step. training
+    again: kill to the start of the restarted group's first step (healed: state
+    received and loaded); first commit: kill to the end of that step. never back:
+    kills after which the window saw no committed step of the victim (quorum) or the
+    job (restart)."""
     free = {r["method"]: r["goodput"] for r in results if r["per_minute"] == 0}
     rate = parse_rate(args.rate, "--rate")
     t = Table(title=f"goodput through failures: 3 emulated hosts at {args.rate}, built-in GPT, "
                     f"{args.duration:.0f} s per job")
     for col in ("method", "failures/min", "fired", "committed steps", "goodput (samples/s)",
-                "of its failure-free", "pause (median, max)", "back (median, max)",
+                "of its failure-free", "pause (median, max)", "training again (median, max)",
+                "first commit (median, max)",
                 "never back", "state, at link rate"):
         t.add_column(col, justify="right")
     for r in results:
@@ -195,6 +202,8 @@ def render(results: list[dict], args) -> Table:
         t.add_row(r["method"], f"{r['per_minute']:g}", str(r["failures"]),
                   str(r["committed_steps"]), f"{r['goodput']:.2f}",
                   f"{share:.0%}" if share else "-", _spread(r["pause_s"]),
+                  _spread(r.get("training_again_s") or []) if r["method"] == "quorum"
+                  else "(all restart)",
                   _spread(r["back_s"]) if r["method"] == "quorum" else "(all restart)",
                   str(r["never_back"]), state)
     return t
@@ -208,7 +217,8 @@ def main(argv=None) -> int:
     for per_minute in [float(x) for x in args.per_minute.split(",")]:
         for method in ("restart", "quorum"):  # alternating, the same failure times
             print(f"{method}, {per_minute:g} failures a minute ...", flush=True)
-            results.append(run_job(method, per_minute, args, out / "runs" / method))
+            results.append(run_job(method, per_minute, args,
+                                   out / "runs" / f"{method}-{per_minute:g}-per-minute"))
             print(json.dumps(results[-1]), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=ROOT).stdout.strip()
