@@ -48,20 +48,24 @@ def model_of(run) -> dict:
     return final["model"]
 
 
-RUNS = {"plain": ["--workers", "2"], "ft": ["--workers", "1", "--ft-groups", "2"],
-        "kill": ["--workers", "2", "--ft-groups", "2", "--max-restarts", "1"]}
+STREAMING = ["--sync", "streaming-diloco", "--fragments", "2", "--sync-every", "4",
+             "--sync-delay", "1", "--global-batch", "12", "--micro-batch", "2"]
+RUNS = {"plain": ["--workers", "2", *DILOCO], "ft": ["--workers", "1", "--ft-groups", "2", *DILOCO],
+        "kill": ["--workers", "2", "--ft-groups", "2", "--max-restarts", "1", *DILOCO],
+        "streaming-plain": ["--workers", "2", *STREAMING],
+        "streaming-ft": ["--workers", "1", "--ft-groups", "2", *STREAMING]}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The three runs, side by side (most of their time is start-up and waiting):
+    """The five runs, side by side (most of their time is start-up and waiting):
     {name: (output directory, exit code, output)}."""
     tmp = tmp_path_factory.mktemp("diloco")
     procs = {}
     for name, args in RUNS.items():
         extra = {"GRADSYNC_FT_FAULT": "1/1:4:kill"} if name == "kill" else {}
         procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "gradsync", "train", *TRAIN, *args, *DILOCO, "--out",
+            [sys.executable, "-m", "gradsync", "train", *TRAIN, *args, "--out",
              str(tmp / name)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=env(**extra), cwd=ROOT)
     out = {}
@@ -94,6 +98,23 @@ def test_one_worker_groups_are_the_plain_diloco_run(runs, plain):
         assert got == [(0, [0, 1], [0.0, 0.0]), (3, [0, 1], [18.0, 18.0]),
                        (6, [0, 1], [18.0, 18.0]), (8, [0, 1], [12.0, 12.0])], got
         assert [r["items"] for r in step_rows(run)] == [6] * 8  # its half of every batch
+
+
+def test_one_worker_groups_are_the_plain_streaming_diloco_run(runs):
+    """Fragment 1 summed after steps 2 and 6, fragment 0 after 4, each applied a step
+    later and merged with alpha; the last step sums both and takes the global copy."""
+    (plain, code, text), (out, ft_code, ft_text) = runs["streaming-plain"], runs["streaming-ft"]
+    assert code == 0, text[-4000:]
+    assert ft_code == 0, ft_text[-4000:]
+    want = model_of(plain)
+    for g in (0, 1):
+        run = out / f"group-{g}"
+        assert max_diff(model_of(run), want) <= 1e-12, (g, max_diff(model_of(run), want))
+        got = [(e["step"], e.get("fragments"), e["weights"]) for e in syncs(run)]
+        assert got == [(0, [], []), (2, [1], [12.0, 12.0]), (4, [0], [24.0, 24.0]),
+                       (6, [1], [24.0, 24.0]), (8, [0, 1], [[24.0, 24.0], [12.0, 12.0]])], got
+        losses = [r["loss"] for r in step_rows(run)]
+        assert len(losses) == 8
 
 
 def test_a_group_killed_between_syncs_adds_nothing_and_heals(runs, plain):
@@ -134,6 +155,9 @@ class _Manager:
 
     def state_dict(self):
         return dict(self.state)
+
+    def current_step(self):
+        return self.state["step"]
 
     def load_state_dict(self, state):
         self.state = dict(state)
@@ -235,10 +259,53 @@ def test_a_sync_that_does_not_commit_is_summed_again_without_the_lost_group(one_
     assert float((_flat(model) - (start - mine)).abs().max()) <= 1e-12  # one outer step
 
 
-def test_streaming_diloco_is_refused_across_groups_and_diloco_is_not():
+def test_both_local_update_methods_are_accepted_across_groups_and_compression_is_not():
     from gradsync.train.config import TrainConfig
     from gradsync.train.ft_flags import check_ft
 
     check_ft(TrainConfig(ft_groups=2, sync="diloco"))
-    with pytest.raises(UsageError, match="--sync streaming-diloco"):
-        check_ft(TrainConfig(ft_groups=2, sync="streaming-diloco"))
+    check_ft(TrainConfig(ft_groups=2, sync="streaming-diloco"))
+    with pytest.raises(UsageError, match="--compress int8"):
+        check_ft(TrainConfig(ft_groups=2, sync="diloco", compress="int8"))
+
+
+class _Alone(_Manager):
+    """A quorum of this one group: the sum is what it brought."""
+
+    def __init__(self):
+        super().__init__([])
+
+    def allreduce(self, tensor, reduce_op=None):
+        return _Work()
+
+
+def _streaming_trajectory(group: bool) -> torch.Tensor:
+    """Seven inner steps of F = 2, H = 4, tau = 2, alpha 0.5 on one worker: fragment 1's
+    sum after step 6 is still pending at the last step (applied, then summed again)."""
+    from gradsync.engine.local.streaming import StreamingDiLoCo
+    from gradsync.ft.outer_sync import GroupStreamingDiLoCo
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).double()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    kind = GroupStreamingDiLoCo if group else StreamingDiLoCo
+    dl = kind(model, inner, lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True),
+              sync_every=4, fragments=2, delay=2, alpha=0.5)
+    data = torch.randn(7, 5, 3, dtype=torch.float64)
+    for s in range(1, 8):
+        inner.zero_grad()
+        model(data[s - 1]).pow(2).mean().backward()
+        inner.step()
+        dl.step(num_items=5)
+        frags = dl.due(s, s == 7) if group else []
+        if frags:
+            if s == 7:
+                dl.settle()
+            dl.apply(dl.quorum_sum(_Alone(), 0, 1, 0, 1, 0, True, frags), s == 7)
+    dl.sync_now()
+    dl.close()
+    return _flat(model)
+
+
+def test_streaming_across_groups_keeps_the_plain_schedule_to_the_last_step(one_process_group):
+    assert torch.equal(_streaming_trajectory(True), _streaming_trajectory(False))

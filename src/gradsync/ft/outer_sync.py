@@ -24,7 +24,9 @@ like the pseudo-gradient, integer ones from the quorum's first group).
 
 A sync is not applied here until torchft's ``should_commit`` says every group got
 through it: :meth:`GroupDiLoCo.quorum_sum` only sums, :meth:`GroupDiLoCo.apply`
-steps the outer optimizer.
+steps the outer optimizer. :class:`GroupStreamingDiLoCo` sums only the fragments
+due, each with its own weight, and keeps each sum aside until the plain run would
+have applied it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from ..engine.local.diloco import DiLoCo, as_items
+from ..engine.local.streaming import StreamingDiLoCo, _InFlight
 from ..engine.transport import comm
 from .shares import even_counts
 
@@ -43,15 +46,20 @@ from .shares import even_counts
 class OuterSums:
     """What one sync's sum over the quorum gave (meaningless when the manager errored)."""
 
-    flat: torch.Tensor  # the summed, item-weighted pseudo-gradient
+    flat: torch.Tensor  # the summed, item-weighted pseudo-gradients of ``fragments``, in order
     buffers: torch.Tensor  # the summed float buffers (weighted), then integer buffers
-    weights: list[float]  # each group's weight (items since its last sync), by group index
+    by_fragment: list[list[float]]  # per synced fragment, each group's weight by group index
     members: list[int]  # the groups whose contributions the sum holds
     sent_bytes: int  # this rank's cross-group traffic, a ring all-reduce's 2(Q-1)/Q per byte
+    fragments: list[int]  # the fragments this sum holds (DiLoCo: its one, [0])
 
     @property
-    def total(self) -> float:
-        return float(sum(self.weights))
+    def weights(self) -> list:
+        """For the sync's metrics line: by group; by fragment, then group, when several."""
+        return self.by_fragment[0] if len(self.by_fragment) == 1 else self.by_fragment
+
+    def total(self, k: int = 0) -> float:
+        return float(sum(self.by_fragment[k])) if self.by_fragment else 0.0
 
 
 class GroupDiLoCo(DiLoCo):
@@ -82,13 +90,23 @@ class GroupDiLoCo(DiLoCo):
                 for p, a in zip(f.params, f.anchors):
                     p.copy_(a)
 
-    def _pack(self, weight: float) -> torch.Tensor:
-        """weight x (global copy - replica), flat, as ``Fragment.pack`` computes it."""
+    def due(self, step: int, last: bool, joining: bool = False) -> list[int]:
+        """The fragments summed at the sync after step ``step`` (none: no sync). DiLoCo
+        sums its one fragment every H steps, at the last step and when joining."""
+        return [0] if joining or last or step % self.sync_every == 0 else []
+
+    def settle(self) -> None:
+        """Before the last sync: nothing to do (streaming applies its pending results)."""
+
+    def _pack(self, frags, weights: list[float]) -> torch.Tensor:
+        """weight x (global copy - replica) per fragment, flat, as ``Fragment.pack``."""
         parts = []
-        for f in self.fragments:
+        for f, weight in zip(frags, weights):
             f_items, f.items = f.items, weight
             parts.append(f.pack())
             f.items = f_items
+        if not parts:
+            return torch.empty(0, dtype=torch.float64, device=self.fragments[0].anchors[0].device)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _buffer_header(self, weight: float, first: bool) -> list[torch.Tensor]:
@@ -98,24 +116,32 @@ class GroupDiLoCo(DiLoCo):
         return out
 
     def quorum_sum(self, manager, rank: int, world: int, group: int, groups: int,
-                   position: int, contribute: bool) -> OuterSums:
-        """Sum this group's weighted pseudo-gradient and buffers over the quorum (no update).
+                   position: int, contribute: bool, fragments=(0,)) -> OuterSums:
+        """Sum this group's weighted pseudo-gradients of ``fragments`` and the buffers (with
+        fragment 0) over the quorum (no update).
 
         ``contribute``: False for a group that has no work of its own in this sum (it
         has just healed, or it is joining): weight 0. Every rank of the group calls
-        the same collectives, whatever its own cross-group link saw.
+        the same collectives, whatever its own cross-group link saw. Each fragment has
+        its own weight: the items since it was last summed (streaming staggers them).
         """
-        mine_items = self.fragments[0].items if contribute else 0.0
+        frags = [self.fragments[i] for i in fragments]
+        nf = len(frags)
         device = self.fragments[0].params[0].device
-        local = torch.tensor([mine_items], dtype=torch.float64, device=device)
-        comm.all_reduce(local, tag="ft_diloco_items")  # the group's items since the last sync
-        weight = float(local[0])
-        flat = self._pack(weight)
-        header = torch.cat([torch.zeros(2 * groups, dtype=torch.float64, device=device)]
-                           + (self._buffer_header(weight, position == 0)
-                              if self.sync_buffers else []))
-        header[group] = weight
-        header[groups + group] = 1.0
+        weights = [0.0] * nf
+        if nf:
+            local = torch.tensor([f.items if contribute else 0.0 for f in frags],
+                                 dtype=torch.float64, device=device)
+            comm.all_reduce(local, tag="ft_diloco_items")  # the group's items per fragment
+            weights = [float(x) for x in local]
+        flat = self._pack(frags, weights)
+        with_buffers = self.sync_buffers and 0 in fragments
+        header = torch.cat([torch.zeros((nf + 1) * groups, dtype=torch.float64, device=device)]
+                           + (self._buffer_header(weights[list(fragments).index(0)],
+                                                  position == 0) if with_buffers else []))
+        for k, w in enumerate(weights):
+            header[k * groups + group] = w
+        header[nf * groups + group] = 1.0
         counts = even_counts(flat.numel(), world)
         start = sum(counts[:rank])
         chunk = flat[start:start + counts[rank]].clone()
@@ -124,18 +150,19 @@ class GroupDiLoCo(DiLoCo):
             works.append(manager.allreduce(chunk, reduce_op=ReduceOp.SUM))
         for w in works:
             w.wait()
-        flat = _gather_chunks(chunk, counts) if world > 1 else chunk
-        weights = [float(x) for x in header[:groups]]
-        members = [g for g in range(groups) if header[groups + g] > 0.5]
+        flat = _gather_chunks(chunk, counts) if world > 1 and flat.numel() else chunk
+        by_fragment = [[float(x) for x in header[k * groups:(k + 1) * groups]]
+                       for k in range(nf)]
+        members = [g for g in range(groups) if header[nf * groups + g] > 0.5]
         q = max(len(members), 1)
         wire = chunk.numel() * chunk.element_size() + header.numel() * header.element_size()
-        return OuterSums(flat, header[2 * groups:], weights, members,
-                         int(2 * (q - 1) / q * wire))
+        return OuterSums(flat, header[(nf + 1) * groups:], by_fragment, members,
+                         int(2 * (q - 1) / q * wire), list(fragments))
 
-    def apply(self, sums: OuterSums) -> None:
+    def apply(self, sums: OuterSums, last: bool = False) -> None:
         """The outer step on the quorum's sum / the weights present; every parameter from
         the new global copy (no outer step when nobody brought any work: a fresh start)."""
-        total = sums.total
+        total = sums.total()
         at = 0
         for f in self.fragments:
             f.apply(sums.flat[at:at + f.numel], total, self.outer_optimizer, alpha=0.0)
@@ -154,6 +181,66 @@ class GroupDiLoCo(DiLoCo):
             for b in self._other_buffers:
                 b.copy_(summed[at:at + b.numel()].round().view_as(b))
                 at += b.numel()
+
+
+class GroupStreamingDiLoCo(GroupDiLoCo, StreamingDiLoCo):
+    """Streaming DiLoCo whose workers are replica groups (``--sync streaming-diloco``).
+
+    The plain run's schedule, unchanged: fragment f is summed after the steps ``s``
+    with ``(s - f H // F) % H == 0``, its result applied after step ``s + tau`` and
+    merged with alpha; the last step applies what is pending, then sums every
+    fragment and takes the global copy. What differs is when the sum happens: the
+    plain run reduces on a thread while the next tau steps go on; here the quorum
+    sums synchronously at the sync step (it has to: the quorum, a heal or a sum that
+    does not commit are decided there) and the result waits, as a finished
+    ``_InFlight``, until its step. The inner steps in between do not read it, so
+    the trajectory is the plain run's (tested bitwise); only the overlap is lost.
+    Pending results are in ``state_dict`` (StreamingDiLoCo's own), so a checkpoint
+    and a healing group get them.
+    """
+
+    def step(self, num_items=None) -> None:
+        """Count the items and apply the results due now; the loop takes the sums."""
+        GroupDiLoCo.step(self, num_items)
+        for job in [j for j in self._inflight if j.due <= self._steps]:
+            self._finish(job, self.alpha)
+
+    def due(self, step: int, last: bool, joining: bool = False) -> list[int]:
+        if joining:  # (re)starting at a checkpoint: its sync is behind it
+            return []
+        if last:
+            return list(range(len(self.fragments)))
+        return [f for f, off in enumerate(self.offsets) if (step - off) % self.sync_every == 0]
+
+    def settle(self) -> None:
+        """Before the last sum: apply what is pending, merged with alpha (``sync_now``)."""
+        for job in list(self._inflight):
+            self._finish(job, self.alpha)
+
+    def apply(self, sums: OuterSums, last: bool = False) -> None:
+        """The last sync: outer step and the global copy at once (alpha 0); before it: keep
+        each fragment's sum aside until step + tau (at once when tau is 0)."""
+        at, jobs = 0, []
+        for k, i in enumerate(sums.fragments):
+            f = self.fragments[i]
+            part, total = sums.flat[at:at + f.numel], sums.total(k)
+            at += f.numel
+            f.items, f.last_sent = 0.0, self._steps
+            if last:
+                f.apply(part, total, self.outer_optimizer, alpha=0.0)
+            else:
+                sent = sums.sent_bytes if k == 0 else 0  # the sync's bytes, counted once
+                jobs.append(_InFlight(i, self._steps, self._steps + self.delay, None,
+                                      (part.clone(), total, sent, sent)))
+        if self.sync_buffers and 0 in sums.fragments:
+            total = sums.total(sums.fragments.index(0))
+            if total > 0:
+                self._set_buffers(sums.buffers, total)
+        if last and sums.fragments:
+            self._count(sums.sent_bytes, sums.sent_bytes)
+        self._inflight += jobs
+        for job in jobs if self.delay == 0 else []:
+            self._finish(job, self.alpha)
 
 
 def _gather_chunks(chunk: torch.Tensor, counts: list[int]) -> torch.Tensor:

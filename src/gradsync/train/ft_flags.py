@@ -3,9 +3,10 @@
 Fault-tolerant runs carry ddp and ZeRO stages 1-3 inside a group and sum exactly
 across groups (each rank sums the slice it owns; a healing rank loads its own
 shard without a collective, since torchft heals some ranks of a group and not
-others), and ``--sync diloco`` with one DiLoCo worker per group (``ft_local.py``).
+others), and ``--sync diloco`` or ``streaming-diloco`` with one DiLoCo worker per group
+(``ft_local.py``; streaming's fragment sums are taken at their sync step through the
+quorum and kept aside until applied, the plain run's trajectory without its overlap).
 What they do not carry yet is refused in one line rather than silently dropped:
-streaming DiLoCo (its fragments sync on a thread while inner steps go on),
 compression across the quorum (its error-feedback state is per rank, and a
 healing rank would need its peer's), the speed balancer (the quorum deals each
 step's batch) and the reference collectives.
@@ -31,9 +32,6 @@ def check_ft(cfg) -> None:
         return
     refused = [(cfg.strategy not in ("ddp", "zero1", "zero2", "zero3"),
                 f"--strategy {cfg.strategy}"),
-               (cfg.sync == "streaming-diloco", "--sync streaming-diloco (its fragments sync on "
-                "a thread while inner steps go on, which the quorum's sum does not carry; "
-                "--sync diloco does)"),
                (cfg.compress != "none", f"--compress {cfg.compress}"),
                (cfg.balance != "off", f"--balance {cfg.balance}"),
                (cfg.baseline, "--baseline"),
@@ -42,8 +40,9 @@ def check_ft(cfg) -> None:
         if bad:
             raise UsageError(f"{flag} does not combine with --ft-groups yet: across replica "
                              "groups gradsync sums the exact gradient of --strategy ddp or "
-                             "zero1-3 (--sync exact or diloco, --compress none, --balance off, "
-                             "--collectives native or auto); see docs/fault_tolerance.md")
+                             "zero1-3 (--sync exact, diloco or streaming-diloco, --compress "
+                             "none, --balance off, --collectives native or auto); see "
+                             "docs/fault_tolerance.md")
     if cfg.ft_group == -1 and cfg.global_batch < cfg.ft_groups * cfg.workers:
         raise UsageError(f"--global-batch {cfg.global_batch} is smaller than --ft-groups "
                          f"{cfg.ft_groups} x --workers {cfg.workers}: every worker needs a sample")

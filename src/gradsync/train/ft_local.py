@@ -1,4 +1,4 @@
-"""`gradsync train --ft-groups N --sync diloco`: one DiLoCo worker per replica group.
+"""`gradsync train --ft-groups N --sync diloco|streaming-diloco`: a DiLoCo worker per group.
 
 Inside a group the inner steps are exact (the group's ranks run ddp); between
 groups only the outer syncs travel (``ft/outer_sync.py``). What this file
@@ -32,6 +32,12 @@ decides, and why:
   A group (re)starting sums with weight 0 in its first quorum; when every group
   of that quorum is starting (a fresh job, a whole job resumed) nobody brings
   work and no outer step is taken.
+* **Streaming DiLoCo: a quorum at each step where a fragment is due**, summing
+  the fragments due (``ft/outer_sync.py``'s ``GroupStreamingDiLoCo`` keeps each
+  result until step + tau, so the plain run's trajectory holds). Which fragments a
+  sum holds is read from the quorum's key after any heal: the join's key is the
+  position (nothing due), a sync's is step + 1. torchft heals all groups but one
+  at a fresh job's first quorum, and the healed group must sum what its peer sums.
 """
 
 from __future__ import annotations
@@ -43,22 +49,27 @@ from .. import dist as gdist
 from ..data.split import deal
 from ..engine.strategy.builders import outer_sgd
 from ..engine.strategy.inexact import HostModel, LocalUpdateStrategy
-from ..ft.outer_sync import GroupDiLoCo
+from ..ft.outer_sync import GroupDiLoCo, GroupStreamingDiLoCo
 from ..ft.replica import ReplicaGroup, StepQuorum, lighthouse_address
 from ..ft.shares import even_counts, micro_split
 
 
 def regroup(sess) -> LocalUpdateStrategy:
-    """The session's ``--sync diloco`` strategy (a DiLoCo worker per rank) as one worker
-    per group: exact ddp over the group's ranks, the outer step through the quorum.
+    """The session's ``--sync diloco|streaming-diloco`` strategy (a worker per rank) as one
+    worker per group: exact ddp over the group's ranks, the outer step through the quorum.
     The module, inner optimizer and schedule are the session's own, and so is any
     state a resumed checkpoint loaded into them."""
     old, cfg = sess.strategy, sess.cfg
     module = old.model.module
     cap = 25.0 if cfg.bucket_cap_mb == "auto" else float(cfg.bucket_cap_mb)
     model = HostModel(module, None, cap)  # the group's world: exact inside the group
-    outer = GroupDiLoCo(module, old.optimizer, outer_sgd(cfg.outer_lr, cfg.outer_momentum),
-                        sync_every=cfg.sync_every)
+    opt = (module, old.optimizer, outer_sgd(cfg.outer_lr, cfg.outer_momentum))
+    if cfg.sync == "streaming-diloco":  # no thread: its comm group is never used
+        outer = GroupStreamingDiLoCo(*opt, sync_every=cfg.sync_every, fragments=cfg.fragments,
+                                     delay=cfg.sync_delay, alpha=cfg.sync_alpha,
+                                     comm_group=old.diloco.comm_group)
+    else:
+        outer = GroupDiLoCo(*opt, sync_every=cfg.sync_every)
     outer.load_state_dict(old.diloco.state_dict())  # a resumed run's global copy, items
     new = LocalUpdateStrategy(old.name, old.precision, model, old.optimizer, outer)
     new.collectives = getattr(old, "collectives", "native")
@@ -105,7 +116,10 @@ class LocalGroups:
     def after_step(self, step: int) -> None:
         """Step ``step`` is done; sum the outer sync over the quorum when it is due."""
         self.position = step
-        if step % self.sess.cfg.sync_every == 0 or step == self.sess.cfg.steps:
+        outer, last = self.sess.strategy.diloco, step == self.sess.cfg.steps
+        if outer.due(step, last):
+            if last:
+                outer.settle()
             self._sync(step + 1, contribute=True)
 
     # ------------------------------------------------------------------ the sync
@@ -121,8 +135,14 @@ class LocalGroups:
             q = replica.begin()  # heals here when behind (load below)
             if replica.healed_now:
                 contribute = False
+            # what this sum holds, from the position after a heal: a group joins at its own
+            # position c (key c, nothing due), a sync after step s has key s + 1; a group
+            # healed into either takes the peer's position and key (torchft's max step)
+            last = self.position == sess.cfg.steps
+            frags = outer.due(self.position, last,
+                              joining=replica.manager.current_step() == self.position)
             sums = outer.quorum_sum(replica.manager, sess.rank, sess.world, sess.cfg.ft_group,
-                                    sess.cfg.ft_groups, q.position, contribute)
+                                    sess.cfg.ft_groups, q.position, contribute, frags)
             if replica.commit():
                 break
             self.why_not = replica.why_not
@@ -130,10 +150,11 @@ class LocalGroups:
                 sess.display.say(f"gradsync train: the sync after step {self.position} did not "
                                  f"commit ({self.why_not}); summing it again with the next "
                                  "quorum")
-        outer.apply(sums)
+        outer.apply(sums, last)
         self.deal = (q.size, q.position, sums.members)
         event = {"event": "sync", "step": self.position, "quorum": sums.members,
                  "weights": sums.weights, "attempts": attempts,
+                 "fragments": frags if isinstance(outer, GroupStreamingDiLoCo) else None,
                  "healed": self.healed or None, "joined": joining or None,
                  "seconds": round(time.perf_counter() - t0, 4), "sent_bytes": sums.sent_bytes}
         self.syncs.append(event)
