@@ -11,8 +11,9 @@ import torch
 os.environ.setdefault("GRADSYNC_TIMEOUT_S", "60")
 torch.set_num_threads(1)
 
-# The suite runs on two pytest-xdist workers, a file at a time (pyproject: -n 2
-# --dist loadfile): most tests wait on processes, sockets and timeouts rather than
-# compute (a serial run used 15.7 CPU-minutes in 22 wall-minutes on 2 cores), so two
-# at once cut the wall time to about 15.5 minutes. Scheduling the longest files
-# first was tried and was slower (16.9 minutes): the heavy runs then overlap.
+# The suite runs on three pytest-xdist workers, a file at a time (pyproject: -n 3
+# --dist loadfile) on 2 cores: most tests wait on processes, sockets, restarts and
+# timeouts rather than compute (a serial run used 15.7 CPU-minutes in 22 wall-minutes;
+# with two workers the CI used 24.7 CPU-minutes in 22.8 wall-minutes, half of its two
+# cores idle), so a third worker fills the waits. Scheduling the longest files first
+# was tried and was slower (16.9 minutes): the heavy runs then overlap.

@@ -17,9 +17,12 @@ Used by the fault-tolerance tests and ``benchmarks/fault_tolerance.py`` on a
   made one step 3.3 s long); hence the default of 8 s.
 
 A fault fires when the job has committed its step ``after_step`` (the most any
-group has) *and* its target is in step with the job (within ``IN_STEP`` steps),
-so that a fault hits a training group, not one still restarting; faults on
-different groups may overlap, as they do on a real cluster. Or, for the
+group has), its target is in step with the job (within ``IN_STEP`` steps) *and*
+the target has committed a step since the previous fault fired: a fault hits a
+training group, not one still restarting, and the job has answered the previous
+fault (a new quorum) before the next, so faults do not all fire at one instant
+when the job has run ahead of the schedule. Recoveries on different groups still
+overlap, as they do on a real cluster. Or, for the
 benchmark's failure rates, at ``at_s`` seconds after the start. :func:`plan`
 draws a seeded schedule; :func:`unleash` carries it out and returns what
 happened and when.
@@ -108,14 +111,17 @@ def unleash(lab, faults: list[Fault], stop: threading.Event | None = None,
     fired: list[Fired] = []
     timers: list[threading.Timer] = []
     try:
+        mark: dict[int, int] = {}  # each group's last committed step at the last fault
         for f in faults:
             while not stop.is_set() and _running(lab):
-                if _due(lab, f, time.monotonic() - t0):
+                if _due(lab, f, time.monotonic() - t0) and (
+                        f.at_s is not None or lab.last_committed(f.group) > mark.get(f.group, -1)):
                     break
                 time.sleep(poll_s)
             if stop.is_set() or not _running(lab):
                 break
             job = _job_step(lab)
+            mark = {g: lab.last_committed(g) for g in range(lab.groups)}
             fired.append(Fired(f, round(time.monotonic() - t0, 3), job))
             fired[-1].done, fired[-1].note = _fire(lab, f, timers)
     finally:
