@@ -13,6 +13,7 @@ hang (every wait bounded) and no namespace left behind.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -24,8 +25,13 @@ from gradsync.netlab.groups import GroupsLab
 
 from .helpers import TRAIN, env, max_diff, recorded, run_train
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
-                                reason=str(unavailable_reason()))
+# About 100 s alone and 120-140 s inside the suite: more than the CI's 20-minute
+# budget has left, so the CI skips it; `GRADSYNC_SOAK=1 python -m pytest
+# tests/ft/test_chaos_netlab.py` runs it (docs/fault_tolerance.md says what CI runs).
+pytestmark = [pytest.mark.skipif(unavailable_reason() is not None,
+                                 reason=str(unavailable_reason())),
+              pytest.mark.skipif(os.environ.get("GRADSYNC_SOAK") != "1",
+                                 reason="the chaos soak runs with GRADSYNC_SOAK=1")]
 
 STEPS = 300
 ARGS = ["--model", "tests.train.factories:slow64", "--steps", str(STEPS),
