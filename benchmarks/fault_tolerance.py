@@ -108,11 +108,22 @@ def rows_of(path: str) -> list[dict]:
     return [r for r in read_metrics(path)[0] if "loss" in r and "unix_time" in r]
 
 
-def _longest_gap(rows: list[dict], k: float, end: float, within_s: float = 30.0) -> float:
-    """The longest wait between committed steps (or from the kill) in ``within_s`` after
-    ``k``: the step the failure interrupted, redone."""
-    times = [k] + [r["unix_time"] for r in rows if k < r["unix_time"] <= min(end, k + within_s)]
-    return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+def _longest_gap(times: list[float], k: float, until: float) -> float:
+    """The longest wait between committed steps (or from the kill) in ``[k, until]``: the
+    step the failure interrupted, redone."""
+    ts = [k] + [t for t in times if k < t <= until]
+    return max((b - a for a, b in zip(ts, ts[1:])), default=0.0)
+
+
+def _job_commits(rows: dict[int, list[dict]]) -> list[float]:
+    """When the job committed each step: the earliest group's record of it. One group's
+    file alone misses steps: a restarted group resumes its checkpoint and cuts the
+    rows after it (they are redone by healing), survivors' rows included."""
+    first: dict[int, float] = {}
+    for rs in rows.values():
+        for r in rs:
+            first[r["step"]] = min(first.get(r["step"], r["unix_time"]), r["unix_time"])
+    return sorted(first.values())
 
 
 def run_job(method: str, per_minute: float, args, out: Path) -> dict:
@@ -152,11 +163,13 @@ def run_job(method: str, per_minute: float, args, out: Path) -> dict:
                   for a, b in zip(rs, rs[1:]) if b["step"] == a["step"] + 1]
     step_s = statistics.median(step_times) if step_times else 0.0
     pauses, backs, training, never = [], [], [], 0
-    for f in fired:
-        k = start + f.t_s
-        if method == "quorum":  # what the failure cost the survivors: their longest
-            pauses.append(max((_longest_gap(rs, k, end) for g, rs in rows.items()
-                               if g != f.fault.group), default=0.0) - step_s)
+    commits = _job_commits(rows)
+    kills = [start + f.t_s for f in fired]
+    for i, (f, k) in enumerate(zip(fired, kills)):
+        # a failure's pause ends at the next failure (the next one's is its own), 30 s at most
+        until = min(end, k + 30.0, *kills[i + 1:i + 2])
+        if method == "quorum":  # what the failure cost the survivors: the job's longest
+            pauses.append(_longest_gap(commits, k, until) - step_s)  # wait beyond a step
             after = [r["unix_time"] for r in rows[f.fault.group] if r["unix_time"] > k]
         else:  # every worker restarts: kill to the job's next committed step
             after = [r["unix_time"] for r in rows[0] if r["unix_time"] > k]
@@ -171,7 +184,7 @@ def run_job(method: str, per_minute: float, args, out: Path) -> dict:
             "start_up_s": round(start - t_launch, 1), "failures": len(fired),
             "committed_steps": committed, "goodput": committed * 12 / (end - start),
             "pause_s": pauses, "back_s": backs, "training_again_s": training,
-            "never_back": never, "step_s": step_s,
+            "never_back": never, "step_s": step_s, "fired_s": [round(k - start, 2) for k in kills],
             "state_bytes": ckpt.stat().st_size if ckpt.exists() else None}
 
 
