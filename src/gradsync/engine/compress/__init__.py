@@ -6,7 +6,9 @@ Every compressor offers one call, ``all_reduce_(key, flat, shapes, group)``
 ``CompressedBuckets`` plugs one into DataParallel
 (``gs.DataParallel(module, reduction=CompressedBuckets(compressor))``), and
 ``HostCompressedBuckets`` composes one with the two-level all-reduce (exact inside
-a host, compressed across hosts: ``hierarchical.py``).
+a host, compressed across hosts: ``hierarchical.py``); ``delay=1`` applies each
+step's sum one step late, its communication overlapped with the next step
+(``delayed.py``).
 None of them is exact; ``none`` (no compressor) stays the default and the only
 mode ``gradsync verify`` calls exact. Measured ratios, errors and how to choose:
 docs/slow_links.md. Imports ``buckets`` and ``transport``.

@@ -13,7 +13,9 @@ division (``buckets/reduction.py``); only how a ready bucket travels changes:
   rest of backward, and the item header travels separately, exactly.
 
 The gradient DataParallel hands the optimizer is then the compressed sum divided
-by the exact global item count.
+by the exact global item count. With ``delay=1`` it is the previous window's
+(``delayed.py``): nobody waits for a window's compressed sums, which travel
+during the next step's forward and backward.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from ..buckets.reduction import AllReduceBuckets
 from ..transport import comm
 from .base import Compressor, gradient_distance
+from .delayed import DelayedSums
 from .thread import CompressionThread
 
 
@@ -31,19 +34,24 @@ class CompressedBuckets(AllReduceBuckets):
 
     reduce_dtype: as for :class:`AllReduceBuckets` (compress fp32 sums of a bf16 model).
     comm_group: the compression thread's group (default: a new one with the same ranks).
+    delay: 0 (the default: a window's own sum, waited for), or 1 (the previous window's
+        sum, applied one step late, its communication overlapped: ``delayed.py``).
     """
 
     exact_sum = False  # the item header travels separately, exactly
 
     def __init__(self, compressor: Compressor, exact_windows: int = 1,
                  reduce_dtype: torch.dtype | None = None, comm_group=None,
-                 probe_every: int = 0):
+                 probe_every: int = 0, delay: int = 0):
         if not isinstance(compressor, Compressor):
             raise TypeError(f"CompressedBuckets needs a Compressor, got {type(compressor).__name__}"
                             " (parse_compression('none') is None: use no reduction at all)")
         if isinstance(exact_windows, bool) or not isinstance(exact_windows, int) \
                 or exact_windows < 0:
             raise ValueError(f"exact_windows must be an int >= 0, got {exact_windows!r}")
+        if delay not in (0, 1) or isinstance(delay, bool):
+            raise ValueError(f"delay must be 0 or 1 (steps a compressed sum is applied late), "
+                             f"got {delay!r}")
         super().__init__(reduce_dtype)
         self.compressor = compressor
         self.exact_windows = exact_windows
@@ -53,6 +61,8 @@ class CompressedBuckets(AllReduceBuckets):
         self.probe_every = int(probe_every)
         self.last_distance: tuple[float, float] | None = None  # (cosine, relative error)
         self._probes: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.delay = delay
+        self.delayed = DelayedSums(self) if delay else None
 
     def attach(self, dp) -> None:
         super().attach(dp)
@@ -67,6 +77,8 @@ class CompressedBuckets(AllReduceBuckets):
     def communicate(self, bucket, src):
         if self.windows < self.exact_windows:
             return self.exact_sum_(bucket, src)
+        if self.delayed is not None:
+            return self.delayed.launch(bucket, src)
         shapes = [p.shape for p in bucket.params]
         exact = src.clone() if self.probing() else None
         pending = self.compressed_sum_(bucket.spec.index, src, shapes)
@@ -86,6 +98,8 @@ class CompressedBuckets(AllReduceBuckets):
         return self._thread.launch(key, src, shapes)
 
     def complete(self, divisor: float, used: list[bool]) -> None:
+        if self.delayed is not None:
+            return self.delayed.complete(divisor, used)
         if self._probes:  # the whole gradient, compressed vs exact (both still sums)
             probes = [self._probes[k] for k in sorted(self._probes)]
             approx = torch.cat([a[:n].double() for a, _e, n in probes])
@@ -94,6 +108,16 @@ class CompressedBuckets(AllReduceBuckets):
             self._probes = {}
         self.windows += 1
         super().complete(divisor, used)
+
+    def reset(self) -> None:
+        super().reset()
+        if self.delayed is not None:
+            self.delayed.reset()
+
+    def flush(self) -> bool:
+        """With a delay: put the pending window's sum into ``.grad`` (see ``delayed.py``);
+        False when nothing is pending (and always without a delay)."""
+        return self.delayed is not None and self.delayed.flush()
 
     def close(self) -> None:
         if self._thread is not None:
