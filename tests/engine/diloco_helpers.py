@@ -57,8 +57,9 @@ def build_diloco(cfg, model):
     outer = outer_optimizer(cfg.get("outer", "nesterov"))
     if cfg.get("outer") == "instance":  # built over the model's parameters, as torchft does
         outer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.8)
-    common = dict(outer_optimizer=outer, sync_every=cfg["H"],
-                  compress=cfg.get("compress"))
+    schedule = ("warmup_steps", "outer_momentum_warmup", "sync_every_max", "eager")
+    common = dict(outer_optimizer=outer, sync_every=cfg["H"], compress=cfg.get("compress"),
+                  **{k: cfg[k] for k in schedule if k in cfg})
     if "F" in cfg:
         d = gs.StreamingDiLoCo(model, inner, fragments=cfg["F"], delay=cfg["tau"],
                                alpha=cfg["alpha"], **common)
@@ -112,7 +113,7 @@ def reference_sync_sgd(sched):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def reference_local(sched, steps, world, cfg, fragments=None):
+def reference_local(sched, steps, world, cfg, fragments=None, make_outer=None):
     """K workers in one process: the algorithm as the papers write it (F=1: DiLoCo)."""
     x, y = dataset()
     H, tau, alpha = cfg["H"], cfg.get("tau", 0), cfg.get("alpha", 0.0)
@@ -122,7 +123,8 @@ def reference_local(sched, steps, world, cfg, fragments=None):
     frags = fragments or [list(range(len(params[0])))]
     F = len(frags)
     anchors = [nn.Parameter(p.detach().clone()) for p in params[0]]
-    outers = [outer_factory(cfg.get("outer", "nesterov"))([anchors[j] for j in f]) for f in frags]
+    make_outer = make_outer or outer_factory(cfg.get("outer", "nesterov"))
+    outers = [make_outer([anchors[j] for j in f]) for f in frags]
     items = [[0.0] * world for _ in frags]
     offsets = [f * H // F for f in range(F)]
     last_sent = [0] * F

@@ -96,10 +96,15 @@ class TrainConfig:
     sync_alpha: float = field(default=0.5, metadata={"help": "streaming-diloco: weight of the local parameters when a synced fragment is merged"})
     outer_lr: float = field(default=0.7, metadata={"help": "learning rate of diloco's outer SGD (Nesterov momentum --outer-momentum)"})
     outer_momentum: float = field(default=0.9, metadata={"help": "momentum of diloco's outer SGD (0 and --outer-lr 1: Local SGD, plain parameter averaging)"})
+    sync_warmup: int = field(default=0, metadata={"help": "diloco, streaming-diloco: the first N steps are exact synchronous data parallelism (post-local SGD, arXiv 1808.07217), local steps after; syncs every --sync-every steps counted from N (0: local from the first step)"})
+    outer_momentum_warmup: int = field(default=0, metadata={"help": "diloco, streaming-diloco: the outer momentum ramps linearly from 0 at the first outer step to --outer-momentum at outer step K+1 (0: full momentum from the first)"})
+    sync_every_max: int = field(default=0, metadata={"help": "diloco: after each sync the next comes round(H * peak lr / current lr) steps later, between --sync-every and this M, so syncs thin out as the learning rate decays (0: every --sync-every steps)"})
+    sync_eager: bool = field(default=False, metadata={"help": "streaming-diloco: eager updates (arXiv 2502.12996): when a fragment is sent, take its outer step at once on a stand-in for the sum in flight (own pseudo-gradient now plus the others' from the last sum), corrected when the sum arrives; needs --sync-delay >= 1"})
     find_unused_parameters: bool = field(default=False, metadata={"help": "allow parameters that get no gradient in a step (a layer the model skips), as torch DDP's find_unused_parameters: one no worker used keeps .grad None and is not stepped (costs one small all-reduce a step); without it such a parameter stops the run, naming it"})
     compress: str = field(default="none", metadata={"help": "gradient compression, spending exactness on purpose: none, bf16, fp16, powersgd:R (error feedback), int8 (blockwise, error feedback); with --collectives hierarchical (or auto on several hosts) only what crosses between hosts is compressed; with diloco: the pseudo-gradient (bf16, fp16, int8)"})
     collectives: str = field(default="auto", metadata={"help": "how gradients are summed: auto (hierarchical when torchrun runs several hosts of several workers each, else native; both exact; diloco and zero3 keep native unless named), native (the backend's all-reduce), hierarchical (inside each host first, then across hosts: for hosts joined by a slow link; with --compress the sums inside a host stay exact and only what crosses between hosts is compressed; zero3 becomes hybrid sharding; diloco and streaming-diloco run one worker per host, exact inside it), ring, tree or server (reference algorithms)", "choices": COLLECTIVES})
     probe_every: int = field(default=25, metadata={"help": "with --compress: every N steps also sum the exact gradient once and record the compressed one's cosine and relative error (0: never)"})
+    compress_delay: int = field(default=0, metadata={"help": "with --compress: 1 applies each step's compressed gradient one step late, so its communication overlaps the next step's forward and backward (the first step applies nothing, the last also applies its own; metrics say which step's gradient each update applied, grad_steps); 0: no delay"})
     seq_len: int = field(default=128, metadata={"help": "tokens per sample for the built-in token data"})
     balance: str = field(default="off", metadata={"help": "auto: split each step's global batch by each worker's measured speed, so a slow worker takes fewer samples and the update stays the exact mean (--sync exact only); the split then depends on timing, so runs are exact to float rounding but no longer bit-reproducible. off: the even split, bit-reproducible. See docs/stragglers.md", "choices": BALANCE_CHOICES})
     straggler: str = field(default="", metadata={"help": "emulate slow workers, for trying --balance: RANK:SPEED[@STEP],... (e.g. 1:0.5@20: rank 1 at half speed from step 20); each micro-batch's compute is followed by a sleep of (1/SPEED - 1) times its duration"})
@@ -197,7 +202,10 @@ class TrainConfig:
         return SyncOptions(method=self.sync, every=self.sync_every, fragments=self.fragments,
                            delay=self.sync_delay, alpha=self.sync_alpha, outer_lr=self.outer_lr,
                            outer_momentum=self.outer_momentum, compress=self.compress,
-                           collectives=self.collectives, probe_every=self.probe_every)
+                           collectives=self.collectives, probe_every=self.probe_every,
+                           compress_delay=self.compress_delay,
+                           warmup=self.sync_warmup, momentum_warmup=self.outer_momentum_warmup,
+                           every_max=self.sync_every_max, eager=self.sync_eager)
 
     @property
     def balanced(self) -> bool:

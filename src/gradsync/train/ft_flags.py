@@ -43,6 +43,11 @@ def check_ft(cfg) -> None:
                              "zero1-3 (--sync exact, diloco or streaming-diloco, --compress "
                              "none, --balance off, --collectives native or auto); see "
                              "docs/fault_tolerance.md")
+    for name in ("sync_warmup", "outer_momentum_warmup", "sync_every_max", "sync_eager"):
+        if getattr(cfg, name):  # a group's outer syncs are due every --sync-every (ft_local.py)
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} does not combine "
+                             "with --ft-groups yet: across replica groups the outer sync comes "
+                             "every --sync-every steps through the quorum, from the first step")
     if cfg.ft_group == -1 and cfg.global_batch < cfg.ft_groups * cfg.workers:
         raise UsageError(f"--global-batch {cfg.global_batch} is smaller than --ft-groups "
                          f"{cfg.ft_groups} x --workers {cfg.workers}: every worker needs a sample")

@@ -165,7 +165,7 @@ class Instruments:
             diloco = strategy.diloco
             inner, last = diloco.steps, self._local_checked  # a skipped step: no inner step
             synced = (not isinstance(diloco, StreamingDiLoCo) and inner
-                      and inner % diloco.sync_every == 0 and (last is None or (
+                      and diloco.replicas_agree and (last is None or (
                           inner != last[1] and step - last[0] >= self.cfg.drift_every)))
             if synced or step == self.cfg.steps:  # the last step ends with a sync
                 self._local_checked = (step, inner)

@@ -14,11 +14,14 @@ in any mode (``--probe-every 0``: never probe, true of an uncompressed run too).
 
 Which flag belongs to which mode (decided here, documented in docs/train.md):
 
-* ``--sync-every``, ``--outer-lr``, ``--outer-momentum``: ``--sync diloco`` or
-  ``streaming-diloco``;
-* ``--fragments``, ``--sync-delay``, ``--sync-alpha``: ``--sync streaming-diloco``;
-* ``--probe-every``: ``--compress`` with ``--sync exact`` (the probe sums the exact
-  gradient beside the compressed one; DiLoCo's compressed pseudo-gradient has none);
+* ``--sync-every``, ``--outer-lr``, ``--outer-momentum``, ``--sync-warmup``,
+  ``--outer-momentum-warmup``: ``--sync diloco`` or ``streaming-diloco``;
+* ``--sync-every-max``: ``--sync diloco`` (streaming's staggered fragments assume one H);
+* ``--fragments``, ``--sync-delay``, ``--sync-alpha``, ``--sync-eager``: ``--sync
+  streaming-diloco``;
+* ``--probe-every``, ``--compress-delay``: ``--compress`` with ``--sync exact`` (the probe
+  sums the exact gradient beside the compressed one; DiLoCo's compressed pseudo-gradient
+  has none, nor gradient buckets to delay);
 * ``--balance auto``: ``--sync exact`` without ``--compress`` (only an exact gradient
   can be split by speed and stay the same update);
 * ``--baseline-steps``: ``--baseline``.
@@ -35,7 +38,7 @@ from dataclasses import fields
 from ..errors import UsageError
 
 _LOCAL = ("diloco", "streaming-diloco")
-OFF_VALUES = {"probe_every": 0}
+OFF_VALUES = {"probe_every": 0, "compress_delay": 0}
 """Values that switch a feature off, accepted whatever the mode."""
 
 
@@ -50,10 +53,16 @@ def _rules(cfg) -> list[tuple[str, bool, str, str]]:
         ("sync_every", cfg.sync in _LOCAL, local, sync),
         ("outer_lr", cfg.sync in _LOCAL, local, sync),
         ("outer_momentum", cfg.sync in _LOCAL, local, sync),
+        ("sync_warmup", cfg.sync in _LOCAL, local, sync),
+        ("outer_momentum_warmup", cfg.sync in _LOCAL, local, sync),
+        ("sync_every_max", cfg.sync == "diloco", "--sync diloco", sync),
+        ("sync_eager", cfg.sync == "streaming-diloco", "--sync streaming-diloco", sync),
         ("fragments", cfg.sync == "streaming-diloco", "--sync streaming-diloco", sync),
         ("sync_delay", cfg.sync == "streaming-diloco", "--sync streaming-diloco", sync),
         ("sync_alpha", cfg.sync == "streaming-diloco", "--sync streaming-diloco", sync),
         ("probe_every", exact and compressed,
+         "--compress (bf16, fp16, int8, powersgd:R) with --sync exact", both),
+        ("compress_delay", exact and compressed,
          "--compress (bf16, fp16, int8, powersgd:R) with --sync exact", both),
         ("balance", exact and not compressed, "--sync exact without --compress", both),
         ("baseline_steps", bool(cfg.baseline), "--baseline", "no --baseline"),

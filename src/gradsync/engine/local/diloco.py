@@ -33,8 +33,14 @@ host); DiLoCo then sums pseudo-gradients with the two-level all-reduce, so the
 inter-host link carries each host's pseudo-gradient once, split over its ranks, and
 the item weights add up to each host's items with no extra step.
 
-Nothing here is exact against one process except the ``H = 1`` case above: local
-updates spend exactness on purpose, and ``gradsync verify`` never calls them exact.
+Nothing here is exact against one process except the ``H = 1`` case above (and a
+synchronous warm-up's steps): local updates spend exactness on purpose, and
+``gradsync verify`` never calls them exact.
+
+Three options change when syncs happen and how the first outer steps push
+(``schedule.py``): ``warmup_steps`` (post-local SGD: synchronous steps first),
+``outer_momentum_warmup`` (a momentum ramp) and ``sync_every_max`` (H grows as the
+inner learning rate decays).
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ from ..sync.replicas import broadcast_module_state, verify_same_structure
 from ..transport.algorithms.topology import HostTopology
 from .exchange import DiLoCoStats, average_buffers, sum_with_items
 from .fragments import Fragment, build_outer_optimizer, split_parameters
+from .schedule import SyncSchedule
+from .warmup import SynchronousWarmUp
 
 
 def default_outer_optimizer(params) -> torch.optim.Optimizer:
@@ -78,7 +86,7 @@ def resolve_compressor(compress) -> Compressor | None:
                      f"got {type(compress).__name__}")
 
 
-class DiLoCo:
+class DiLoCo(SynchronousWarmUp):
     """Local inner steps, then an outer step on the item-weighted pseudo-gradient every H steps.
 
     Args:
@@ -98,6 +106,14 @@ class DiLoCo:
         compress: ``None`` (exact all-reduce), ``"bf16"``, ``"int8"``, ... or a
             :class:`Compressor`; the pseudo-gradient travels compressed.
         sync_buffers: average floating-point buffers at every sync (see module docstring).
+        warmup_steps: W, synchronous inner steps before local ones (post-local SGD): while
+            :attr:`warming_up`, the caller's backward sums gradients through
+            :meth:`average_gradients` (``LocalModel`` does). Default 0.
+        outer_momentum_warmup: K, outer steps over which the outer optimizer's
+            ``momentum`` ramps from 0 (``schedule.py``). Default 0: no ramp.
+        sync_every_max: M, the interval grows from H towards M as the inner learning
+            rate (``inner_optimizer.param_groups[0]["lr"]``) falls below its peak.
+            Default 0: H fixed.
 
     Every rank calls :meth:`step` once per inner step, the same number of times
     (``num_items=0`` for a worker without data), and :meth:`sync_now` at the end.
@@ -107,7 +123,9 @@ class DiLoCo:
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
                  outer_optimizer: Callable | None = None, sync_every: int = 500, group=None,
-                 compress=None, sync_buffers: bool = True, *, topology=None, _fragments=1):
+                 compress=None, sync_buffers: bool = True, *, topology=None, _fragments=1,
+                 warmup_steps: int = 0, outer_momentum_warmup: int = 0,
+                 sync_every_max: int = 0):
         if not dist.is_available() or not dist.is_initialized():
             raise UsageError(f"{self._what} needs an initialised process group: call "
                              "gradsync.init() (torchrun) or run inside gradsync.spawn()")
@@ -130,6 +148,8 @@ class DiLoCo:
             if group is not None or compress is not None:
                 raise UsageError(f"{self._what}: topology spans the world and sends exactly: "
                                  "no group or compress with it")
+        self.schedule = SyncSchedule(sync_every, warmup_steps, outer_momentum_warmup,
+                                     sync_every_max)
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.sync_every = sync_every
@@ -146,6 +166,10 @@ class DiLoCo:
                           for i, named in enumerate(split_parameters(model, _fragments))]
         self.outer_optimizer = build_outer_optimizer(outer_optimizer, self.fragments,
                                                      default_outer_optimizer)
+        self._base_momentum = [g.get("momentum") for g in self.outer_optimizer.param_groups]
+        if outer_momentum_warmup and None in self._base_momentum:
+            raise UsageError(f"{self._what}: outer_momentum_warmup ramps the outer optimizer's "
+                             f"momentum; {type(self.outer_optimizer).__name__} has none")
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point() and b.numel()]
         self._other_buffers = [b for b in model.buffers()
                                if not b.is_floating_point() and b.numel()]
@@ -160,14 +184,19 @@ class DiLoCo:
         """Call after every inner optimizer step; ``num_items``: items this worker used in it."""
         n = as_items(num_items)
         self._steps += 1
+        self.schedule.observe(self._lr())
         for f in self.fragments:
             f.items += n
-        if self._steps % self.sync_every == 0:
+        if self._warmup_step():
+            return
+        if self.schedule.due(self._steps):
             self._sync_all()
 
     def sync_now(self) -> None:
         """Sync whatever moved since the last sync (the end of training); every rank calls it."""
-        if self._steps % self.sync_every:
+        if self._steps < self.schedule.warmup:  # replicas already identical; buffers averaged
+            self._end_warmup()
+        elif self._steps != self.fragments[0].last_sent:
             self._sync_all()
 
     def _sync_all(self) -> None:
@@ -177,9 +206,20 @@ class DiLoCo:
             frag.items, frag.last_sent = 0.0, self._steps
             flat, total, sent, exact = self._reduce(frag.index, frag.shapes, flat, items,
                                                     self.topology or self.group, self._steps)
-            frag.apply(flat, total, self.outer_optimizer, alpha=0.0)
+            self._apply(frag, flat, total, alpha=0.0)
             extra = self._sync_buffers(buffer_items) if frag.index == 0 else 0
             self._count(sent + extra, exact + extra)
+        self.schedule.synced(self._steps, self._lr())
+
+    def _apply(self, frag: Fragment, flat, total: float, alpha: float, merge=True) -> None:
+        """The fragment's outer step, its momentum ramped (``outer_momentum_warmup``)."""
+        if self.schedule.momentum_warmup and total > 0:
+            for g, base in zip(self.outer_optimizer.param_groups, self._base_momentum):
+                g["momentum"] = self.schedule.momentum(base, frag.outer_steps + 1)
+        frag.apply(flat, total, self.outer_optimizer, alpha, merge)
+
+    def _lr(self) -> float:
+        return float(self.inner_optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------ communication
     def _reduce(self, key: int, shapes, flat: torch.Tensor, items: float, group, step=None):
@@ -209,6 +249,12 @@ class DiLoCo:
         """Inner steps taken (``step()`` calls)."""
         return self._steps
 
+    @property
+    def replicas_agree(self) -> bool:
+        """Whether every replica holds the same parameters after the step just counted (a
+        sync, or a synchronous warm-up step; streaming's merges leave them apart)."""
+        return self._steps <= self.schedule.warmup or self.fragments[0].last_sent == self._steps
+
     def state_dict(self) -> dict:
         """Everything besides the model to continue bit for bit: global copy, outer and inner
         optimizer state, step counter, item counts, compressor residuals, statistics.
@@ -221,6 +267,8 @@ class DiLoCo:
             "anchors": [[a.detach().clone() for a in f.anchors] for f in self.fragments],
             "items": [f.items for f in self.fragments],
             "last_sent": [f.last_sent for f in self.fragments],
+            "outer_steps": [f.outer_steps for f in self.fragments],
+            "sync_schedule": self.schedule.state_dict(),
             "outer": self.outer_optimizer.state_dict(),
             "inner": self.inner_optimizer.state_dict(),
             "compressor": None if self.compressor is None else self.compressor.state_dict(),
@@ -243,6 +291,10 @@ class DiLoCo:
             raise UsageError(f"{self._what}.load_state_dict: saved "
                              f"{'with' if state['compressor'] else 'without'} compression, "
                              f"this one is {'with' if self.compressor else 'without'}")
+        self.schedule.load_state_dict(state.get("sync_schedule"), int(state["steps"]),
+                                      self._what)
+        for f, k in zip(self.fragments, state.get("outer_steps", [0] * len(self.fragments))):
+            f.outer_steps = int(k)
         with torch.no_grad():
             for f, anchors in zip(self.fragments, state["anchors"]):
                 for a, v in zip(f.anchors, anchors):

@@ -5,7 +5,9 @@ pseudo-gradients over workers; here they are summed together with the items each
 worker processed since the last sync, so the outer step can weight each worker by
 its data (``diloco.py``). The sum travels by the backend's all-reduce, a
 compressor, or the two-level all-reduce when a worker is a host. Buffers
-(BatchNorm statistics) are averaged with the same item weights.
+(BatchNorm statistics) are averaged with the same item weights. During a
+synchronous warm-up (``schedule.py``) gradients travel instead, summed with items
+as gradsync's exact data parallelism sums them (:func:`mean_gradients`).
 
 Every figure of :class:`DiLoCoStats` is this rank's bytes on the wire, an exact
 all-reduce counted as 2 (N-1)/N of its size (``compress.base.ring_bytes``).
@@ -109,3 +111,42 @@ def average_buffers(float_buffers: list[torch.Tensor], other_buffers: list[torch
         broadcast_tensors(other_buffers, group, tag="diloco-buffers")
         sent += sum(b.numel() * b.element_size() for b in other_buffers)
     return sent
+
+
+def mean_gradients(params: list[torch.Tensor], weight: float, items: float, group) -> int:
+    """One synchronous step's gradient: ``p.grad <- sum over ranks (weight * p.grad) / sum
+    of items``, identical on every rank; bytes sent.
+
+    A worker whose ``p.grad`` holds the sum over its items passes weight 1 and its
+    item count (gradsync's exact weighting: the mean over the global batch); one
+    holding its own mean passes its items twice. A missing ``.grad`` counts as zeros
+    (a worker without data) and every parameter leaves with a gradient.
+    """
+    if not params:
+        return 0
+    dtype = params[0].dtype
+    for p in params:
+        dtype = torch.promote_types(dtype, p.dtype)
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                      .detach().reshape(-1).to(dtype) for p in params])
+    if weight != 1:
+        flat.mul_(weight)
+    count = torch.tensor([items], dtype=torch.float64, device=flat.device)
+    pending = comm.all_reduce(count, group, async_op=True, tag="diloco-warmup-items")
+    comm.all_reduce(flat, group, tag="diloco-warmup")
+    pending.wait()
+    total = float(count[0])
+    if total > 0:
+        flat.div_(total)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            k = p.numel()
+            part = flat[offset:offset + k].view_as(p)
+            if p.grad is None:
+                p.grad = part.to(p.dtype).clone()
+            else:
+                p.grad.copy_(part)
+            offset += k
+    world = dist.get_world_size(group)
+    return ring_bytes(flat.numel() * flat.element_size() + 8, world)

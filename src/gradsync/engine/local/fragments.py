@@ -34,6 +34,7 @@ class Fragment:
         self.numel = sum(p.numel() for p in self.params)
         self.items = 0.0  # items this worker processed since this fragment was last sent
         self.last_sent = 0  # the step it was last sent at
+        self.outer_steps = 0  # outer steps taken on it (the momentum ramp counts them)
 
     def pack(self) -> torch.Tensor:
         """items x (anchor - parameter), flat: this worker's weighted pseudo-gradient."""
@@ -50,8 +51,9 @@ class Fragment:
         return flat.mul_(self.items)
 
     def apply(self, flat: torch.Tensor, total: float, outer: torch.optim.Optimizer,
-              alpha: float) -> None:
-        """Outer step with the summed pseudo-gradient / total items, then merge into the model."""
+              alpha: float, merge: bool = True) -> None:
+        """Outer step with the summed pseudo-gradient / total items, then (``merge``) merge
+        into the model."""
         with torch.no_grad():
             if total > 0:
                 offset = 0
@@ -60,9 +62,10 @@ class Fragment:
                     a.grad = flat[offset:offset + k].view_as(a).div(total)
                     offset += k
                 outer.step()
+                self.outer_steps += 1
                 for a in self.anchors:
                     a.grad = None
-            for p, a in zip(self.params, self.anchors):
+            for p, a in zip(self.params if merge else (), self.anchors):
                 if alpha == 0:
                     p.copy_(a)
                 else:

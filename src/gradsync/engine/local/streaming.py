@@ -25,7 +25,8 @@ DiLoCo, each here:
 With F = 1, tau = 0 and alpha = 0 this is DiLoCo, bit for bit (tested).
 Buffers are averaged, blocking, whenever fragment 0 is sent; :meth:`sync_now`
 waits for what is in flight, then syncs every fragment with alpha = 0, so all
-replicas end identical.
+replicas end identical. ``eager=True`` takes the outer step at send time on a stand-in
+for the sum in flight and corrects it when the sum lands (``eager.py``, arXiv 2502.12996).
 """
 
 from __future__ import annotations
@@ -39,17 +40,19 @@ from ...errors import UsageError
 from ..compress.thread import private_group
 from ..transport.algorithms.topology import HostTopology
 from .diloco import DiLoCo, as_items
+from .eager import EagerUpdates
 
 
 class _InFlight:
     """A fragment's reduction launched at ``sent_at``, to be applied after step ``due``."""
 
-    __slots__ = ("fragment", "sent_at", "due", "future", "result", "buffer_bytes")
+    __slots__ = ("fragment", "sent_at", "due", "future", "result", "buffer_bytes", "eager")
 
     def __init__(self, fragment: int, sent_at: int, due: int, future: Future | None,
                  result=None, buffer_bytes: int = 0):
         self.fragment, self.sent_at, self.due = fragment, sent_at, due
         self.future, self.result, self.buffer_bytes = future, result, buffer_bytes
+        self.eager: dict | None = None  # eager updates: what the stand-in step needs undone
 
     def wait(self):
         if self.result is None:
@@ -58,7 +61,7 @@ class _InFlight:
         return self.result
 
 
-class StreamingDiLoCo(DiLoCo):
+class StreamingDiLoCo(EagerUpdates, DiLoCo):
     """DiLoCo with F staggered fragments, a delay of ``delay`` steps and merge factor ``alpha``.
 
     Args (besides DiLoCo's):
@@ -70,6 +73,12 @@ class StreamingDiLoCo(DiLoCo):
             group with the same ranks as ``group``.
         topology: as DiLoCo's (a worker per host); the background reductions get a
             topology of their own (new groups, the same hosts).
+        warmup_steps, outer_momentum_warmup: as DiLoCo's; after the warm-up, fragment
+            f is sent at the steps ``s > W`` with ``(s - W - f * H // F) % H == 0``, and
+            each fragment's momentum ramps over its own outer steps. (DiLoCo's
+            ``sync_every_max`` is not taken: the staggered offsets assume one H.)
+        eager: eager updates (``eager.py``, arXiv 2502.12996): at send time an outer step
+            on a stand-in average, corrected when the sum arrives. Needs delay >= 1.
     """
 
     _what = "StreamingDiLoCo"
@@ -77,9 +86,13 @@ class StreamingDiLoCo(DiLoCo):
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
                  outer_optimizer=None, sync_every: int = 500, fragments=2, delay: int = 1,
                  alpha: float = 0.5, group=None, compress=None, sync_buffers: bool = True,
-                 comm_group=None, topology=None):
+                 comm_group=None, topology=None, warmup_steps: int = 0,
+                 outer_momentum_warmup: int = 0, eager: bool = False):
         if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
             raise UsageError(f"delay must be an int >= 0, got {delay!r}")
+        if eager and not delay:
+            raise UsageError("eager updates stand in for a sum still in flight: they need "
+                             "delay >= 1 (with delay 0 the sum is applied at once)")
         if isinstance(sync_every, int) and delay >= sync_every:
             raise UsageError(f"delay ({delay}) must be smaller than sync_every ({sync_every}): "
                              "a fragment's result must arrive before it is sent again")
@@ -90,7 +103,8 @@ class StreamingDiLoCo(DiLoCo):
         if not 0 <= alpha < 1:
             raise UsageError(f"alpha must be in [0, 1), got {alpha!r}")
         super().__init__(model, inner_optimizer, outer_optimizer, sync_every, group, compress,
-                         sync_buffers, topology=topology, _fragments=fragments)
+                         sync_buffers, topology=topology, _fragments=fragments,
+                         warmup_steps=warmup_steps, outer_momentum_warmup=outer_momentum_warmup)
         self.delay = delay
         self.alpha = alpha
         if topology is not None:  # the thread's two-level reductions on groups of their own
@@ -100,6 +114,8 @@ class StreamingDiLoCo(DiLoCo):
         self.offsets = [f * sync_every // len(self.fragments) for f in range(len(self.fragments))]
         self._inflight: list[_InFlight] = []
         self._executor: ThreadPoolExecutor | None = None
+        self.eager = bool(eager)
+        self._eager_prev: list = [None] * len(self.fragments)  # the last sum, per fragment
 
     # ------------------------------------------------------------------ the loop
     def step(self, num_items=None) -> None:
@@ -108,10 +124,12 @@ class StreamingDiLoCo(DiLoCo):
         self._steps += 1
         for f in self.fragments:
             f.items += n
+        if self._warmup_step():
+            return
         for job in [j for j in self._inflight if j.due <= self._steps]:
             self._finish(job, self.alpha)
         for f in self.fragments:
-            if (self._steps - self.offsets[f.index]) % self.sync_every == 0:
+            if self.schedule.fragment_due(self._steps, self.offsets[f.index]):
                 job = self._launch(f)
                 if self.delay == 0:
                     self._finish(job, self.alpha)
@@ -120,18 +138,22 @@ class StreamingDiLoCo(DiLoCo):
         """Apply what is in flight, then sync every fragment that moved since it was sent,
         with alpha = 0 (a fragment sent at this very step takes the global copy as it is):
         afterwards every replica holds the same parameters. Every rank calls it."""
+        if self._steps < self.schedule.warmup:  # replicas already identical; buffers averaged
+            self._end_warmup()
+            return
         for job in list(self._inflight):
             self._finish(job, self.alpha)
         for f in self.fragments:
             if f.last_sent != self._steps:
-                self._finish(self._launch(f), 0.0)
+                self._finish(self._launch(f, eager=False), 0.0)
             else:
                 with torch.no_grad():
                     for p, a in zip(f.params, f.anchors):
                         p.copy_(a)
 
-    def _launch(self, frag) -> _InFlight:
+    def _launch(self, frag, eager: bool = True) -> _InFlight:
         items, flat = frag.items, frag.pack()
+        own = flat.clone() if eager and self.eager else None  # the thread sums flat in place
         frag.items, frag.last_sent = 0.0, self._steps
         buffers = self._sync_buffers(items) if frag.index == 0 else 0
         if self._executor is None:
@@ -141,12 +163,17 @@ class StreamingDiLoCo(DiLoCo):
         job = _InFlight(frag.index, self._steps, self._steps + self.delay, future,
                         buffer_bytes=buffers)
         self._inflight.append(job)
+        if own is not None:
+            self._eager_launch(frag, own, items, job)
         return job
 
     def _finish(self, job: _InFlight, alpha: float) -> None:
         flat, total, sent, exact = job.wait()
         self._inflight.remove(job)
-        self.fragments[job.fragment].apply(flat, total, self.outer_optimizer, alpha)
+        if job.eager is not None:
+            self._eager_finish(self.fragments[job.fragment], job, flat, total)
+        else:
+            self._apply(self.fragments[job.fragment], flat, total, alpha)
         self._count(sent + job.buffer_bytes, exact + job.buffer_bytes)
 
     def close(self) -> None:
@@ -168,15 +195,17 @@ class StreamingDiLoCo(DiLoCo):
             state["inflight"].append({"fragment": job.fragment, "sent_at": job.sent_at,
                                       "due": job.due, "flat": flat.clone(), "total": total,
                                       "sent": sent, "exact": exact,
-                                      "buffer_bytes": job.buffer_bytes})
+                                      "buffer_bytes": job.buffer_bytes, "eager": job.eager})
         state["schedule"] = {"fragments": len(self.fragments), "delay": self.delay,
-                             "alpha": self.alpha}
+                             "alpha": self.alpha, "eager": self.eager}
+        state["eager_prev"] = self._eager_prev
         return state
 
     def load_state_dict(self, state: dict) -> None:
         schedule = state.get("schedule") if isinstance(state, dict) else None
-        mine = {"fragments": len(self.fragments), "delay": self.delay, "alpha": self.alpha}
-        if isinstance(schedule, dict) and schedule != mine:
+        mine = {"fragments": len(self.fragments), "delay": self.delay, "alpha": self.alpha,
+                "eager": self.eager}
+        if isinstance(schedule, dict) and {"eager": False, **schedule} != mine:
             raise UsageError(f"StreamingDiLoCo.load_state_dict: saved with {schedule}, this one "
                              f"has {mine}")
         super().load_state_dict(state)
@@ -184,3 +213,6 @@ class StreamingDiLoCo(DiLoCo):
             _InFlight(j["fragment"], j["sent_at"], j["due"], None,
                       (j["flat"].clone(), j["total"], j["sent"], j["exact"]), j["buffer_bytes"])
             for j in state["inflight"]]
+        for job, j in zip(self._inflight, state["inflight"]):
+            job.eager = j.get("eager")
+        self._eager_prev = list(state.get("eager_prev") or [None] * len(self.fragments))

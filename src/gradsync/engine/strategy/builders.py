@@ -31,7 +31,7 @@ from .options import SyncOptions
 def compressed_reduction(sync: SyncOptions, mp) -> CompressedBuckets:
     """DataParallel's buckets through ``--compress`` (sums in fp32 for a bf16 model); with
     ``--collectives hierarchical`` exact inside each host and compressed across hosts."""
-    kw = dict(probe_every=sync.probe_every,
+    kw = dict(probe_every=sync.probe_every, delay=sync.compress_delay,
               reduce_dtype=mp.reduce_dtype if mp is not None else None)
     compressor = parse_compression(sync.compress)
     if sync.collectives == "hierarchical":
@@ -71,15 +71,16 @@ def build_local(module, precision, optimizer_class, group, sync: SyncOptions,
         model = LocalModel(module)
     inner = optimizer_class(module.parameters(), **opt_kwargs)
     compress = None if sync.compress == "none" else sync.compress
+    ramp = dict(warmup_steps=sync.warmup, outer_momentum_warmup=sync.momentum_warmup)
     if sync.method == "diloco":
         diloco = DiLoCo(module, inner, outer_sgd(sync.outer_lr, sync.outer_momentum),
                         sync_every=sync.every, group=group, compress=compress,
-                        topology=topology)
+                        topology=topology, sync_every_max=sync.every_max, **ramp)
     else:
         diloco = StreamingDiLoCo(module, inner, outer_sgd(sync.outer_lr, sync.outer_momentum),
                                  sync_every=sync.every, fragments=sync.fragments,
                                  delay=sync.delay, alpha=sync.alpha, group=group,
-                                 compress=compress, topology=topology)
+                                 compress=compress, topology=topology, eager=sync.eager, **ramp)
     return _chose(LocalUpdateStrategy(sync.method, precision, model, inner, diloco), sync)
 
 

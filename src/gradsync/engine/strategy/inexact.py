@@ -33,6 +33,7 @@ from ..replicated.data_parallel import DataParallel
 from ..replicated.memory_report import MemoryReport, held, optimizer_bytes
 from ..sync.item_window import as_count
 from .base import Strategy
+from .delayed import DelayedUpdates
 from .exact import DataParallelStrategy
 
 
@@ -73,8 +74,9 @@ class _PerRankState:
         pass
 
 
-class CompressedStrategy(_PerRankState, DataParallelStrategy):
-    """``ddp`` with compressed buckets (``--compress``)."""
+class CompressedStrategy(DelayedUpdates, _PerRankState, DataParallelStrategy):
+    """``ddp`` with compressed buckets (``--compress``; ``--compress-delay 1``: applied one
+    step late, ``delayed.py``)."""
 
     def __init__(self, name, precision, model, optimizer, reduction):
         super().__init__(name, precision, model, optimizer)
@@ -97,6 +99,8 @@ class CompressedStrategy(_PerRankState, DataParallelStrategy):
         self.reduction.windows = self.reduction.exact_windows  # residuals restart at zero
 
     def step_report(self) -> dict:
+        if self.reduction.delayed is not None:
+            return self.delayed_report()
         stats = self.reduction.compressor.stats()
         sent, self._sent = stats.sent_bytes - self._sent, stats.sent_bytes
         if not sent:  # an exact window (the first): what its all-reduces put on the wire
@@ -114,7 +118,10 @@ class LocalModel(nn.Module):
 
     ``backward(loss, num_items=n)`` and ``no_sync()`` as DataParallel's, but the
     window closes locally: the accumulated sum is divided by this worker's own
-    item count, the exact mean over what this worker saw.
+    item count, the exact mean over what this worker saw. While ``outer`` (the
+    DiLoCo, set by :class:`LocalUpdateStrategy`) is in its synchronous warm-up
+    (post-local SGD, ``engine/local/warmup.py``) the window closes globally
+    instead: sums and items over every worker, as exact data parallelism.
     """
 
     def __init__(self, module: nn.Module):
@@ -123,6 +130,10 @@ class LocalModel(nn.Module):
         self._require_sync = True
         self._items = 0.0
         self.window_items = 0  # items of the last closed window (this worker)
+        self.outer = None  # the DiLoCo asked whether a step is a synchronous warm-up step
+
+    def _warming_up(self) -> bool:
+        return self.outer is not None and self.outer.warming_up
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -143,7 +154,9 @@ class LocalModel(nn.Module):
             (loss * n).backward(**kwargs)
         self._items += n
         if self._require_sync:
-            if num_items is not None and self._items:
+            if self._warming_up():  # sums (or, without num_items, means) over every worker
+                self.outer.average_gradients(1.0, self._items if num_items is not None else 1.0)
+            elif num_items is not None and self._items:
                 with torch.no_grad():
                     for p in self.module.parameters():
                         if p.grad is not None:
@@ -184,6 +197,9 @@ class HostModel(LocalModel):
         self.replica.backward(loss, num_items=num_items, **kwargs)
         self._items += 1.0 if num_items is None else as_count(num_items)
         if self._require_sync:
+            if self._warming_up():  # the host's exact mean, weighted by this rank's items
+                weight = self._items if num_items is not None else 1.0
+                self.outer.average_gradients(weight, weight)
             self.window_items, self._items = int(self._items), 0.0
 
 
@@ -199,6 +215,7 @@ class LocalUpdateStrategy(_PerRankState, Strategy):
     def __init__(self, name, precision, model: LocalModel, optimizer, diloco):
         super().__init__(name, precision, model, optimizer)
         self.diloco = diloco
+        model.outer = diloco  # its backward asks whether a step is a synchronous warm-up one
         self._sent = 0
 
     def after_step(self, num_items: int) -> None:

@@ -59,6 +59,13 @@ class SyncOptions:
         inside it), ``ring``, ``tree``, ``server`` (reference algorithms).
     probe_every: with compression, every this many steps also sum the exact gradient
         once and record how far the compressed one is (cosine, relative error).
+    compress_delay: with compression, 0 (the default) or 1: apply each step's
+        compressed sum one step late, its communication overlapped with the next step
+        (``compress/delayed.py``; opt-in, since it changes the trajectory).
+    warmup, momentum_warmup, every_max: local updates (``engine/local/schedule.py``):
+        W synchronous steps first (post-local SGD), the outer momentum ramped over K
+        outer steps, and H grown up to M as the learning rate decays (diloco only);
+        0 turns each off. eager: streaming-diloco's eager updates (``engine/local/eager.py``).
     """
 
     method: str = "exact"
@@ -71,8 +78,14 @@ class SyncOptions:
     compress: str = "none"
     collectives: str = "auto"
     probe_every: int = 25
+    compress_delay: int = 0
+    warmup: int = 0
+    momentum_warmup: int = 0
+    every_max: int = 0
+    eager: bool = False
 
     def __post_init__(self) -> None:
+        self._check_local_schedule()
         if self.method not in SYNC_METHODS:
             raise UsageError(f"--sync must be one of {', '.join(SYNC_METHODS)}, "
                              f"got {self.method!r}")
@@ -87,6 +100,12 @@ class SyncOptions:
             raise UsageError(f"--sync-delay must be an integer >= 0, got {self.delay!r}")
         if self.probe_every < 0:
             raise UsageError(f"--probe-every must be >= 0, got {self.probe_every!r}")
+        if self.compress_delay not in (0, 1) or isinstance(self.compress_delay, bool):
+            raise UsageError(f"--compress-delay must be 0 or 1, got {self.compress_delay!r}")
+        if self.compress_delay and (self.compress == "none" or self.method != "exact"):
+            raise UsageError(f"--compress-delay {self.compress_delay} delays compressed gradient "
+                             "sums: it needs --compress (bf16, fp16, int8, powersgd:R) with "
+                             "--sync exact")
         if not 0 <= self.alpha < 1:
             raise UsageError(f"--sync-alpha must be in [0, 1), got {self.alpha!r}")
         if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
@@ -106,6 +125,26 @@ class SyncOptions:
             raise UsageError(f"--sync {self.method} --collectives hierarchical sends "
                              "pseudo-gradients between hosts exactly (a worker per host); "
                              "drop --compress, or drop --collectives for a worker per rank")
+
+    def _check_local_schedule(self) -> None:
+        """--sync-warmup, --outer-momentum-warmup, --sync-every-max (the engine checks the
+        same; here so a bad value fails before any worker starts)."""
+        for name, flag in (("warmup", "--sync-warmup"),
+                           ("momentum_warmup", "--outer-momentum-warmup"),
+                           ("every_max", "--sync-every-max")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UsageError(f"{flag} must be an integer >= 0, got {value!r}")
+        if self.every_max and self.method != "exact" and isinstance(self.every, int) \
+                and self.every_max < self.every:
+            raise UsageError(f"--sync-every-max ({self.every_max}) must be 0 (H fixed) or at "
+                             f"least --sync-every ({self.every})")
+        if self.every_max and self.method == "streaming-diloco":
+            raise UsageError("--sync-every-max needs --sync diloco: streaming-diloco's "
+                             "staggered fragments assume one fixed --sync-every")
+        if self.eager and self.method == "streaming-diloco" and self.delay == 0:
+            raise UsageError("--sync-eager stands in for a sum still in flight: it needs "
+                             "--sync-delay >= 1 (with 0 the sum is applied at once)")
 
     def resolved(self, group=None, env=None) -> SyncOptions:
         """These options with ``collectives="auto"`` decided (:func:`auto_collectives`).
