@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gradsync.cli import main as cli_main
+from tests.cli_in_process import cli_here
 
 CLI = [sys.executable, "-m", "gradsync.cli"]
 FAST = ["--steps", "6", "--seq-len", "32", "--global-batch", "8", "--micro-batch", "2",
@@ -47,13 +48,15 @@ def test_train_writes_metrics_checkpoint_and_summary(tmp_path):
     assert "final loss" in r.stdout and not list(out.glob(".tmp-*"))
 
 
-def test_resume_after_a_crash_reproduces_the_uninterrupted_run(tmp_path):
+def test_resume_after_a_crash_reproduces_the_uninterrupted_run(tmp_path, capfd):
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     train_here(*FAST, "--out", str(straight))
-    r = run_cli("train", *FAST, "--out", str(broken), env={"GRADSYNC_FAULT": "1:4:raise"})
-    assert r.returncode == 1
-    assert "error: injected fault on rank 1 at step 5 (worker rank 1)" in r.stderr
-    assert "continue from step 3 with: gradsync train --steps 6" in r.stderr
+    r = cli_here("train", *FAST, "--out", str(broken), capfd=capfd,
+                 env={"GRADSYNC_FAULT": "1:4:raise"})
+    code, err = r.returncode, r.stderr
+    assert code == 1, err
+    assert "error: injected fault on rank 1 at step 5 (worker rank 1)" in err
+    assert "continue from step 3 with: gradsync train --steps 6" in err
     assert torch.load(broken / "checkpoint.pt", weights_only=False)["step"] == 3
     r = run_cli("train", *FAST, "--out", str(broken))  # the same command continues
     assert r.returncode == 0, r.stderr
@@ -66,13 +69,15 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
-def test_sharded_strategies_resume_exactly(tmp_path, strategy):
+def test_sharded_strategies_resume_exactly(tmp_path, strategy, capfd):
     """ZeRO checkpoints: optimizer shards per rank plus checkpoint.pt naming them."""
     args = [*FAST, "--strategy", strategy]
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     train_here(*args, "--out", str(straight))
-    r = run_cli("train", *args, "--out", str(broken), env={"GRADSYNC_FAULT": "0:4:raise"})
-    assert r.returncode == 1 and "injected fault" in r.stderr
+    r = cli_here("train", *args, "--out", str(broken), capfd=capfd,
+                 env={"GRADSYNC_FAULT": "0:4:raise"})
+    code, err = r.returncode, r.stderr
+    assert code == 1 and "injected fault" in err, err
     r = run_cli("train", *args, "--out", str(broken))
     assert r.returncode == 0, r.stderr
     assert f"memory ({strategy}" in r.stdout
@@ -90,11 +95,12 @@ def test_sharded_strategies_resume_exactly(tmp_path, strategy):
     ("exit", "exited with code 7", "ddp"),
     ("kill", "killed by signal SIGKILL", "ddp"),
     ("kill", "killed by signal SIGKILL", "zero3")])  # peers blocked in point-to-point
-def test_worker_dying_mid_step_is_named(tmp_path, kind, expect, strategy):
-    r = run_cli("train", *FAST, "--strategy", strategy, "--out", str(tmp_path / "r"),
-                "--timeout", "30", env={"GRADSYNC_FAULT": f"0:2:{kind}"})
-    assert r.returncode == 1
-    assert "worker rank 0 failed" in r.stderr and expect in r.stderr
+def test_worker_dying_mid_step_is_named(tmp_path, kind, expect, strategy, capfd):
+    r = cli_here("train", *FAST, "--strategy", strategy, "--out", str(tmp_path / "r"),
+                 "--timeout", "30", env={"GRADSYNC_FAULT": f"0:2:{kind}"}, capfd=capfd)
+    code, err = r.returncode, r.stderr
+    assert code == 1, err
+    assert "worker rank 0 failed" in err and expect in err, err
 
 
 def _as_from_a_terminal():
@@ -195,7 +201,7 @@ def test_ctrl_c_while_the_cli_imports_torch_is_one_line(tmp_path):
     assert "Traceback" not in err and "interrupted" in err, err
 
 
-@pytest.mark.parametrize("args,expect", [
+BAD_ARGUMENTS = [
     (["--global-batch", "30", "--micro-batch", "8"], "not a multiple"),
     (["--workers", "2", "--data", "random-tokens", "--seq-len", "1500000"],
      "fewer than one global batch"),
@@ -204,19 +210,32 @@ def test_ctrl_c_while_the_cli_imports_torch_is_one_line(tmp_path):
     (["--bucket-cap-mb", "-3"], "--bucket-cap-mb must be"),
     (["--bucket-mb", "auto", "--strategy", "zero1"], "needs --strategy ddp"),  # the old name
     (["--model", "tests.train.factories:tiny64"], "needs --data"),
-] + ([] if torch.cuda.is_available() else [(["--backend", "nccl"], "needs CUDA")]))
-def test_bad_arguments_exit_2_with_one_line(args, expect, tmp_path):
+] + ([] if torch.cuda.is_available() else [(["--backend", "nccl"], "needs CUDA")])
+
+
+@pytest.mark.parametrize("args,expect", BAD_ARGUMENTS)
+def test_bad_arguments_exit_2_with_one_line(args, expect, tmp_path, capfd):
+    r = cli_here("train", *args, "--out", str(tmp_path / "x"), capfd=capfd)
+    code, err = r.returncode, r.stderr
+    assert code == 2, err
+    assert expect in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "x").exists()  # refused before anything was written
+
+
+def test_bad_arguments_as_a_real_command(tmp_path):
+    args, expect = BAD_ARGUMENTS[0]
     r = run_cli("train", *args, "--out", str(tmp_path / "x"))
     assert r.returncode == 2, r.stderr
-    assert expect in r.stderr and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert expect in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 @pytest.mark.parametrize("flag,expect", [(["--backend", "mpi"], "invalid choice"),
                                          (["--model", "resnet"], "unknown model 'resnet'")])
-def test_unknown_choice_rejected_by_parser(flag, expect):
-    r = run_cli("train", *flag)
-    assert r.returncode == 2 and expect in r.stderr
+def test_unknown_choice_rejected_by_parser(flag, expect, capfd):
+    r = cli_here("train", *flag, capfd=capfd)
+    code, err = r.returncode, r.stderr
+    assert code == 2 and expect in err and "Traceback" not in err
 
 
 def test_port_in_use_is_a_clear_error(tmp_path):

@@ -26,6 +26,7 @@ from gradsync.cli import main as cli_main
 from gradsync.train import guard
 from gradsync.train.checkpoint import verify
 from gradsync.train.guard import RunLock, check_run_dir
+from tests.cli_in_process import cli_here
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "gradsync.cli", "train"]
@@ -91,10 +92,10 @@ def test_flipped_byte_in_tensor_data_is_named_and_nothing_is_overwritten(tmp_pat
     assert ckpt.read_bytes() == bytes(data)  # the damaged file was not used, nor replaced
 
 
-def test_nan_from_a_huge_learning_rate_stops_before_any_checkpoint(tmp_path):
+def test_nan_from_a_huge_learning_rate_stops_before_any_checkpoint(tmp_path, capfd):
     out = tmp_path / "run"
-    r = run_cli(*TINY, "--lr", "1e6", "--clip", "0", "--warmup", "0", "--steps", "20",
-                "--checkpoint-every", "1", "--out", str(out))
+    r = cli_here("train", *TINY, "--lr", "1e6", "--clip", "0", "--warmup", "0", "--steps", "20",
+                 "--checkpoint-every", "1", "--out", str(out), capfd=capfd)
     assert r.returncode == 1, r.stderr[-3000:]
     line = error_line(r)
     assert "non-finite" in line and "on rank(s) 0, 1" in line and "no checkpoint holds it" in line
@@ -134,12 +135,12 @@ def test_skip_step_drops_the_update_on_every_rank_and_takes_a_stale_lock(tmp_pat
 
 
 @pytest.mark.parametrize("compress", ["int8", "powersgd:1"])
-def test_skip_step_with_error_feedback_skips_only_the_bad_step(tmp_path, compress):
+def test_skip_step_with_error_feedback_skips_only_the_bad_step(tmp_path, compress, capfd):
     """A compressor's residual carries one step into the next: a NaN step once poisoned
     it, and every later step was non-finite and skipped, silently training nothing."""
     out = tmp_path / "run"
-    r = run_cli(*TINY, "--steps", "7", "--on-nonfinite", "skip-step", "--compress", compress,
-                "--out", str(out), env={"GRADSYNC_FAULT": "0:3:nan"})
+    r = cli_here("train", *TINY, "--steps", "7", "--on-nonfinite", "skip-step", "--compress",
+                 compress, "--out", str(out), env={"GRADSYNC_FAULT": "0:3:nan"}, capfd=capfd)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["skipped_steps"] == [4]
@@ -147,19 +148,20 @@ def test_skip_step_with_error_feedback_skips_only_the_bad_step(tmp_path, compres
     assert all(math.isfinite(m["grad_norm"]) for m in rows if not m["skipped"])
 
 
-def test_out_is_a_file(tmp_path):
+def test_out_is_a_file(tmp_path, capfd):
     f = tmp_path / "taken"
     f.write_text("not a run")
-    one_line(run_cli(*TINY, "--out", str(f)), 2, f"--out {f} is a file, not a directory")
+    one_line(cli_here("train", *TINY, "--out", str(f), capfd=capfd), 2,
+             f"--out {f} is a file, not a directory")
 
 
-def test_read_only_out_is_refused_before_any_worker_starts(tmp_path):
+def test_read_only_out_is_refused_before_any_worker_starts(tmp_path, capfd):
     with tmpfs(tmp_path / "ro", "size=4m") as mnt:
         out = mnt / "run"
         train_here(*TINY, "--steps", "2", "--out", str(out))
         before = (out / "checkpoint.pt").read_bytes()
         subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True, timeout=30)
-        r = run_cli(*TINY, "--steps", "4", "--out", str(out))
+        r = cli_here("train", *TINY, "--steps", "4", "--out", str(out), capfd=capfd)
         one_line(r, 2, f"--out {out} is not writable (read-only file system)")
         assert (out / "checkpoint.pt").read_bytes() == before
 
@@ -185,7 +187,8 @@ def test_full_disk_says_so_first_and_keeps_the_previous_checkpoint(tmp_path, mon
         assert torch.load(ckpt, weights_only=False)["step"] == 2
         assert not list(out.glob(".tmp-*"))
         # now the estimate says it cannot fit: refused before any worker starts
-        r = run_cli(*TINY, *wide, "--steps", "4", "--checkpoint-every", "2", "--out", str(out))
+        r = cli_here("train", *TINY, *wide, "--steps", "4", "--checkpoint-every", "2",
+                     "--out", str(out), capfd=capfd)
         one_line(r, 2, "free on its device, but a checkpoint needs about")
         assert torch.load(ckpt, weights_only=False)["step"] == 2
 

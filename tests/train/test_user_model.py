@@ -22,6 +22,7 @@ import gradsync as gs
 from gradsync.cli import main as cli_main
 from gradsync.engine.strategy.exact import DataParallelStrategy
 from gradsync.engine.strategy.registry import STRATEGIES, register_strategy
+from tests.cli_in_process import cli_here
 from tests.train.factories import tensors, tiny64
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,9 +37,10 @@ def run_cli(*args, env=None):
                           env={**os.environ, **(env or {})})
 
 
-def test_user_model_and_data_train_resume_and_report(tmp_path):
+def test_user_model_and_data_train_resume_and_report(tmp_path, capfd):
     out = tmp_path / "run"
-    r = run_cli(*USER, "--out", str(out), env={"GRADSYNC_FAULT": "0:3:raise"})
+    r = cli_here("train", *USER, "--out", str(out), env={"GRADSYNC_FAULT": "0:3:raise"},
+                 capfd=capfd)
     assert r.returncode == 1
     assert "continue from step 2 with: gradsync train --model tests.train.factories:tiny64" \
         in r.stderr
@@ -112,10 +114,10 @@ def test_a_registered_strategy_plugs_in_with_its_hook_and_extra_state(tmp_path):
     assert results[1]["resumed_run"] is None  # rank 1 returns no summary
 
 
-def test_the_example_factories_train(tmp_path):
-    r = run_cli("--model", "examples.user_model:build_model", "--data",
-                "examples.user_model:build_data", "--steps", "3", "--eval-every", "3",
-                "--no-report", "--out", str(tmp_path / "run"))
+def test_the_example_factories_train(tmp_path, capfd):
+    r = cli_here("train", "--model", "examples.user_model:build_model", "--data",
+                 "examples.user_model:build_data", "--steps", "3", "--eval-every", "3",
+                 "--no-report", "--out", str(tmp_path / "run"), capfd=capfd)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["final_eval_loss"] is not None and summary["optimizer"] == "adamw"
@@ -133,14 +135,17 @@ def test_a_dict_sample_without_labels_is_a_one_line_error(tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
-def test_a_model_that_skips_a_layer_needs_find_unused_parameters(tmp_path, strategy):
+def test_a_model_that_skips_a_layer_needs_find_unused_parameters(tmp_path, strategy, capfd):
     """Without the flag: one line naming the parameter and the flag, no traceback; with
     it: trains, and the skipped layer is never stepped (AdamW would move it)."""
     args = ["--model", "tests.train.factories:skips_a_layer", "--data",
             "tests.train.factories:regression64", "--optimizer", "adamw", "--global-batch", "12",
             "--micro-batch", "3", "--steps", "3", "--eval-every", "0", "--timeout", "60",
             "--no-report", "--strategy", strategy]
-    r = run_cli(*args, "--out", str(tmp_path / "refused"))
+    # ddp as a real command, whose stderr includes the workers' (no traceback there
+    # either); the sharded strategies in this process
+    r = (run_cli(*args, "--out", str(tmp_path / "refused")) if strategy == "ddp" else
+         cli_here("train", *args, "--out", str(tmp_path / "refused"), capfd=capfd))
     assert r.returncode == 1
     assert "'unused.weight'" in r.stderr and "--find-unused-parameters" in r.stderr
     assert "Traceback" not in r.stderr

@@ -55,13 +55,17 @@ def main(argv: list[str] | None = None) -> int:
         print("gradsync: interrupted", file=sys.stderr)
         return 130
     args = parser.parse_args(argv)
+    # the command line as given: hints that repeat it ("continue with: ...") and the
+    # one-machine --ft-groups, which passes it on to its groups, read it from here, so
+    # main(argv) called from Python repeats argv, not the calling program's sys.argv
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     try:
         return int(args.run(args) or 0)
     except UsageError as e:
         print(f"gradsync {args.command}: error: {e}", file=sys.stderr)
         return 2
     except StorageError as e:
-        again = shlex.join(sys.argv[1:] if argv is None else argv)
+        again = shlex.join(args.argv)
         print(f"gradsync {args.command}: error: {e}; once that is fixed, run again: "
               f"gradsync {again}", file=sys.stderr)
         return 1

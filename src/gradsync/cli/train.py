@@ -49,10 +49,14 @@ def register(sub, help_line: str) -> argparse.ArgumentParser:
     return p
 
 
+_command_line: list[str] = []
+"""The command as given (``gradsync.cli.main`` sets ``args.argv``; :func:`run` keeps it)."""
+
+
 def continue_command(cfg, workers: int | None = None) -> str:
     """The command line that continues this run (the same one; resume is automatic),
     with ``--workers`` set to ``workers`` when given."""
-    argv = sys.argv[1:]
+    argv = _command_line
     new = ["--workers", str(workers)] if workers else []
     if argv[:1] != ["train"]:
         return shlex.join(["gradsync", "train", "--out", cfg.out, *new])
@@ -166,11 +170,13 @@ def run(args) -> int:
         from ..train.instrument import write_report_safely
         from ..train.schedule import finished_line
 
+    global _command_line
+    argv = _command_line = list(getattr(args, "argv", None) or sys.argv[1:])
     cfg = from_args(args)
     if cfg.ft_groups and cfg.ft_group < 0:  # one machine: a lighthouse and N groups
         from .train_groups import run_groups
 
-        return run_groups(cfg, sys.argv[2:] if sys.argv[1:2] == ["train"] else sys.argv[1:])
+        return run_groups(cfg, argv[1:] if argv[:1] == ["train"] else argv)
     faults = FaultInjector.from_env()  # the edge: the loop only ever sees the object
     plan, lock = preflight(cfg)
     try:
