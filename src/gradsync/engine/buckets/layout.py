@@ -136,6 +136,15 @@ class BucketLayout:
         self.ready_order = order.tolist()
         return self._changed()
 
+    def adopt(self, order: list[int]) -> list[BucketSpec] | None:
+        """A saved rebuild's ready order (a resumed run): the plan the run had, no rebuild
+        after this process's first pass; the new plan if it differs from the current."""
+        if sorted(order) != list(range(len(self.params))):
+            raise ValueError(f"a saved bucket order must be a permutation of the "
+                             f"{len(self.params)} trainable parameters, got {len(order)} entries")
+        self.rebuilt, self.ready_order = True, list(order)
+        return self._changed()
+
     def autotune_step(self, seconds: float) -> list[BucketSpec] | None:
         """Feed one measured synchronised backward; the new plan when the cap changes."""
         tuner = self.autotuner

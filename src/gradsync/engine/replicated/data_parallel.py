@@ -156,6 +156,28 @@ class DataParallel(GradientArrivals, DDPMethods, BucketAccess, SyncedModule):
         self._arrivals.abandon()
         self._install(self._layout.plan_in_use)
 
+    def layout_state(self) -> dict:
+        """The rebuilt bucket layout (the ready order it came from), for a checkpoint."""
+        return {"ready_order": self._layout.ready_order if self._layout.rebuilt else None}
+
+    def load_layout_state(self, state: dict | None) -> None:
+        """Continue in the saved run's buckets instead of rebuilding after the first pass.
+
+        A fresh run rebuilds its buckets once, in the order gradients became ready in its
+        first pass; a resumed process would start in registration order and rebuild
+        again. The sums are the same either way, but state a reduction keeps per bucket
+        (compression residuals) was built in the saved layout: continued in another,
+        it restarts, and the run is no longer the uninterrupted one (measured on the
+        built-in GPT with int8: 1.5e-3). Ignored while the cap is being tuned.
+        """
+        order = (state or {}).get("ready_order")
+        if order is None or self._layout.tuning:
+            return
+        if self._in_pass:
+            raise UsageError("load_layout_state() called during backward")
+        self._arrivals.abandon()
+        self._relayout(self._layout.adopt(order))
+
     # ------------------------------------------------------------------ core hooks
     def _run_forward(self, args, kwargs):
         if torch.is_grad_enabled():

@@ -89,9 +89,10 @@ class CompressedStrategy(DelayedUpdates, _PerRankState, DataParallelStrategy):
 
     def per_rank_state(self) -> dict:
         return {"compressor": self.reduction.compressor.state_dict(),
-                "windows": self.reduction.windows}
+                "windows": self.reduction.windows, "layout": self.model.layout_state()}
 
     def load_per_rank_state(self, state: dict) -> None:
+        self.model.load_layout_state(state.get("layout"))  # the residuals' buckets
         self.reduction.compressor.load_state_dict(state["compressor"])
         self.reduction.windows = state["windows"]
 
