@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+from tests.cli_in_process import cli_here
+
 CLI = [sys.executable, "-m", "gradsync.cli"]
 
 
@@ -24,13 +26,14 @@ def _one_line_usage_error(r, *needles):
         assert n in lines[0], lines[0]
 
 
-def test_report_on_missing_path_is_one_line(tmp_path):
-    _one_line_usage_error(run_cli("report", str(tmp_path / "nope")), "not a directory")
+def test_report_on_missing_path_is_one_line(tmp_path, capfd):
+    _one_line_usage_error(cli_here("report", str(tmp_path / "nope"), capfd=capfd),
+                          "not a directory")
 
 
-def test_report_on_a_folder_that_is_not_a_run(tmp_path):
+def test_report_on_a_folder_that_is_not_a_run(tmp_path, capfd):
     (tmp_path / "notes.txt").write_text("hello")
-    _one_line_usage_error(run_cli("report", str(tmp_path)), "is not a gradsync run")
+    _one_line_usage_error(cli_here("report", str(tmp_path), capfd=capfd), "is not a gradsync run")
     assert not (tmp_path / "report.html").exists()
 
 
@@ -55,9 +58,11 @@ def test_report_on_a_cut_off_run_reports_what_exists(tmp_path):
     assert not (tmp_path / "timeline.png").exists()  # nothing traced: no timeline, and said so
 
 
-def test_trace_window_beyond_the_last_step_fails_before_launch(tmp_path):
-    r = run_cli("train", "--steps", "6", "--trace-steps", "5:8", "--out", str(tmp_path / "r"))
+def test_trace_window_beyond_the_last_step_fails_before_launch(tmp_path, capfd):
+    r = cli_here("train", "--steps", "6", "--trace-steps", "5:8", "--out", str(tmp_path / "r"),
+                 capfd=capfd)
     _one_line_usage_error(r, "--trace-steps 5:8 goes beyond the last step (--steps 6)")
     assert not (tmp_path / "r").exists()
-    r = run_cli("train", "--steps", "6", "--trace-steps", "x", "--out", str(tmp_path / "r"))
+    r = cli_here("train", "--steps", "6", "--trace-steps", "x", "--out", str(tmp_path / "r"),
+                 capfd=capfd)
     _one_line_usage_error(r, "--trace-steps must be FIRST:LAST")

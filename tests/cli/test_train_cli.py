@@ -247,20 +247,21 @@ def test_port_in_use_is_a_clear_error(tmp_path):
     assert r.returncode == 2 and f"port {port}" in r.stderr and "already in use" in r.stderr
 
 
-def test_resume_modes_and_a_finished_run(tmp_path):
+def test_resume_modes_and_a_finished_run(tmp_path, capfd):
+    """Every answer here is the launcher's, before any worker starts: in this process."""
     out = tmp_path / "run"
-    r = run_cli("train", *FAST, "--out", str(out), "--resume")  # must: nothing to continue
+    r = cli_here("train", *FAST, "--out", str(out), "--resume", capfd=capfd)  # nothing to continue
     assert r.returncode == 2 and "--resume: no checkpoint" in r.stderr
     train_here(*FAST, "--out", str(out))
     files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.suffix != ".lock"}
-    r = run_cli("train", *FAST, "--out", str(out))  # finished: says so, changes nothing
+    r = cli_here("train", *FAST, "--out", str(out), capfd=capfd)  # finished: changes nothing
     assert r.returncode == 0 and "already finished (step 6 of 6); nothing to do" in r.stdout
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.name in files} == files
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_loss"] is not None
-    r = run_cli("train", *FAST, "--out", str(out), "--resume", "never")
+    r = cli_here("train", *FAST, "--out", str(out), "--resume", "never", capfd=capfd)
     assert r.returncode == 2 and "already holds a checkpoint (step 6)" in r.stderr
-    r = run_cli("train", *FAST, "--out", str(out), "--seed", "1", "--steps", "8")
+    r = cli_here("train", *FAST, "--out", str(out), "--seed", "1", "--steps", "8", capfd=capfd)
     assert r.returncode == 2 and "different run: --seed was 0, now 1" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 

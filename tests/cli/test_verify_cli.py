@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+from tests.cli_in_process import cli_here
+
 CLI = [sys.executable, "-m", "gradsync.cli"]
 WIDE = {**os.environ, "COLUMNS": "200"}  # rich wraps tables to the terminal width
 
@@ -17,20 +19,19 @@ def test_verify_reproduces_tanh_regressor_with_eight_workers():
     assert "PASS" in out
 
 
-def test_verify_fails_loudly_when_tolerance_cannot_be_met():
-    r = subprocess.run([*CLI, "verify", "--workers", "2", "--steps", "5", "--n", "64",
-                        "--tolerance", "1e-30"], capture_output=True, text=True, timeout=120)
+def test_verify_fails_loudly_when_tolerance_cannot_be_met(capfd):
+    r = cli_here("verify", "--workers", "2", "--steps", "5", "--n", "64", "--tolerance", "1e-30",
+                 capfd=capfd)
     assert r.returncode == 1 and "FAIL" in r.stdout
 
 
-def test_verify_sampler_audit():
-    r = subprocess.run([*CLI, "verify", "--sampler", "--n", "103", "--workers", "4"],
-                       capture_output=True, text=True, timeout=120, env=WIDE)
+def test_verify_sampler_audit(capfd):
+    r = cli_here("verify", "--sampler", "--n", "103", "--workers", "4", capfd=capfd,
+                 env={"COLUMNS": "200"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every index exactly once" in r.stdout
 
 
-def test_verify_bad_input_exit_2():
-    r = subprocess.run([*CLI, "verify", "--workers", "9", "--n", "4"],
-                       capture_output=True, text=True, timeout=60)
+def test_verify_bad_input_exit_2(capfd):
+    r = cli_here("verify", "--workers", "9", "--n", "4", capfd=capfd)
     assert r.returncode == 2 and "9 workers but only 4 samples" in r.stderr
