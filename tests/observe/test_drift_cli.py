@@ -7,18 +7,15 @@ report written after the failure must show it.
 """
 
 import json
-import os
-import subprocess
-import sys
+
+from tests.cli_in_process import cli_here
 
 
-def test_perturbed_replica_stops_training_with_the_parameter_and_rank(tmp_path):
+def test_perturbed_replica_stops_training_with_the_parameter_and_rank(tmp_path, capfd):
     out = tmp_path / "run"
-    r = subprocess.run(
-        [sys.executable, "-m", "gradsync.cli", "train", "--steps", "6", "--seq-len", "32",
-         "--global-batch", "8", "--micro-batch", "4", "--drift-every", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=180,
-        env={**os.environ, "GRADSYNC_FAULT": "1:1:perturb"})
+    r = cli_here("train", "--steps", "6", "--seq-len", "32", "--global-batch", "8",
+                 "--micro-batch", "4", "--drift-every", "2", "--out", str(out), capfd=capfd,
+                 env={"GRADSYNC_FAULT": "1:1:perturb"})
     assert r.returncode == 1, r.stdout + r.stderr
     # (torch may log a "Terminating process" warning first; ours is the error line)
     first = next(ln for ln in r.stderr.splitlines() if ln.startswith("gradsync train: error:"))
