@@ -68,7 +68,7 @@ def test_full_disk_while_appending_metrics_is_one_line_and_leaves_no_torn_line(t
         assert "the same command starts again" in stderr.splitlines()[-1]
 
 
-def test_io_error_then_a_damaged_line_then_a_corrupt_summary(tmp_path, capsys):
+def test_io_error_then_a_damaged_line_then_a_corrupt_summary(tmp_path, capfd):
     out = tmp_path / "run"
     args = [*QUIET, "--steps", "6", "--checkpoint-every", "2", "--out", str(out)]
     r = run_cli(*args, env={"GRADSYNC_FAULT": "0:2:eio"})
@@ -85,7 +85,7 @@ def test_io_error_then_a_damaged_line_then_a_corrupt_summary(tmp_path, capsys):
     raw = (out / METRICS).read_bytes().splitlines(keepends=True)
     (out / METRICS).write_bytes(raw[0] + b'{"step": 1\xff}\n' + raw[1])
     assert "not UTF-8" in read_metrics_file(str(out / METRICS)).dropped[0]
-    r = run_cli(*args)
+    r = run_cli(*args)  # rank 0 repairs it and says so: its line is the worker's
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert (f"gradsync train: {out / METRICS}: dropped 1 damaged line(s) (line 2: not UTF-8 "
             "(byte 0xff at column 11)) and rewrote it without them") in r.stdout
@@ -94,9 +94,9 @@ def test_io_error_then_a_damaged_line_then_a_corrupt_summary(tmp_path, capsys):
     # a corrupt summary.json of a finished run: the report says so, not "did not finish"
     (out / SUMMARY).write_bytes(b'{"model": "tests.train\xfe')
     (out / METRICS).write_bytes((out / METRICS).read_bytes() + b"\x80\x81 torn")
-    capsys.readouterr()
+    capfd.readouterr()
     assert cli_main(["report", str(out)]) == 0
-    said = capsys.readouterr().out
+    said = capfd.readouterr().out
     assert "did not finish" not in said and "Traceback" not in said
     assert (f"gradsync report: missing: {SUMMARY} is corrupt (byte 0xfe at offset 22 is not "
             "UTF-8), but the run finished (metrics.jsonl reaches step 6 of 6): this report "
@@ -108,7 +108,7 @@ def test_io_error_then_a_damaged_line_then_a_corrupt_summary(tmp_path, capsys):
     # the fix the report names: the run's own command (no worker starts: it is finished)
     assert cli_main(["train", *args]) == 0
     assert (f"gradsync train: {SUMMARY} was corrupt (byte 0xfe at offset 22 is not UTF-8); "
-            "rewrote it from metrics.jsonl and config.json") in capsys.readouterr().out
+            "rewrote it from metrics.jsonl and config.json") in capfd.readouterr().out
     assert json.loads((out / SUMMARY).read_text())["final_loss"] is not None
 
 
