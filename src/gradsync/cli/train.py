@@ -122,7 +122,8 @@ def baseline_config(cfg):
                    out=os.path.join(cfg.out, "baseline"), trace=False, trace_steps="",
                    drift_every=0, baseline=False, no_report=True, checkpoint_every=0,
                    eval_every=0, resume="auto", port=0, max_restarts=0, log="",
-                   baseline_steps=type(cfg).baseline_steps)  # its default: no --baseline here
+                   baseline_steps=type(cfg).baseline_steps,  # its default: no --baseline here
+                   data_parts=1)  # one worker reads the whole set; the work per step is alike
 
 
 def _run_baseline(cfg, model_fn=None, data_fn=None) -> None:

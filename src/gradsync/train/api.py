@@ -35,6 +35,7 @@ from .config import DATASETS, TrainConfig
 from .faults import FaultInjector
 from .guard import RunLock, check_run_dir
 from .loader import take_factories
+from .parts_flags import check_data_parts_world
 from .save_size import space_needed
 from .schedule import finished_line
 from .task import builtin_data
@@ -64,6 +65,7 @@ def preflight(cfg: TrainConfig, model_fn=None) -> tuple[state.ResumePlan, RunLoc
         if not os.path.exists(os.path.join(cfg.out, CHECKPOINT)):
             raise
         split = False
+    check_data_parts_world(cfg, cfg.workers)  # P divides K: said before any worker starts
     gdist.resolve_backend(cfg.backend)
     if cfg.data in DATASETS:
         try:

@@ -25,6 +25,7 @@ from .builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
 from .ft_flags import check_ft
 from .identity import parse_overrides
 from .mode_flags import check_mode_flags
+from .parts_flags import check_data_parts
 from .splits import continue_on
 from .straggler import parse_stragglers
 from .trackers import check_log
@@ -107,6 +108,7 @@ class TrainConfig:
     compress_delay: int = field(default=0, metadata={"help": "with --compress: 1 applies each step's compressed gradient one step late, so its communication overlaps the next step's forward and backward (the first step applies nothing, the last also applies its own; metrics say which step's gradient each update applied, grad_steps); 0: no delay"})
     seq_len: int = field(default=128, metadata={"help": "tokens per sample for the built-in token data"})
     balance: str = field(default="off", metadata={"help": "auto: split each step's global batch by each worker's measured speed, so a slow worker takes fewer samples and the update stays the exact mean (--sync exact only); the split then depends on timing, so runs are exact to float rounding but no longer bit-reproducible. off: the even split, bit-reproducible. See docs/stragglers.md", "choices": BALANCE_CHOICES})
+    data_parts: int = field(default=1, metadata={"help": "non-IID data: cut the training set into P contiguous parts (different source files of pysrc), each read by its own block of K/P consecutive workers (a host's, with P hosts under torchrun) from its own stream of epochs; P must divide the workers and --global-batch; held-out loss stays on the whole held-out set. 1: every worker samples the whole set (IID). See docs/train.md"})
     straggler: str = field(default="", metadata={"help": "emulate slow workers, for trying --balance: RANK:SPEED[@STEP],... (e.g. 1:0.5@20: rank 1 at half speed from step 20); each micro-batch's compute is followed by a sleep of (1/SPEED - 1) times its duration"})
     clip: float | None = field(default=None, metadata={"help": "clip the global gradient norm to this value (0: off; the norm is measured and reported either way); default: off for your own models and mlp, as torch DDP, and 1.0 for the built-in gpt, the recipe it was tuned with (nanoGPT's)", "type": float})
     on_nonfinite: str = field(default="stop", metadata={"help": "a NaN/inf loss or gradient norm: stop (before any checkpoint is written, exit 1) or skip-step (skip that optimizer update on every rank)", "choices": NONFINITE_CHOICES})
@@ -194,6 +196,7 @@ class TrainConfig:
         self.log = check_log(self.log)  # unknown trackers, missing packages: refused now
         check_mode_flags(self)  # --sync-every without --sync diloco: refused, not ignored
         check_ft(self)  # --ft-groups with what it cannot carry yet: refused (ft_flags.py)
+        check_data_parts(self)  # --data-parts with what it cannot keep apart (parts_flags.py)
 
     def sync_options(self) -> SyncOptions:
         if self.compress.split(":")[0] not in ("none", "bf16", "fp16", "powersgd", "int8"):

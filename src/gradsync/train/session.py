@@ -19,6 +19,7 @@ import torch
 
 from .. import dist as gdist
 from ..data.balance import ShareBalancer
+from ..data.parted_sampler import PartedStepSampler, make_step_sampler
 from ..data.sampler import StepSampler
 from ..engine.strategy.base import Strategy
 from ..errors import UsageError
@@ -40,6 +41,7 @@ from .faults import FaultInjector
 from .guard import RunLock, check_run_dir
 from .instrument import Instruments, baseline_rate_of
 from .optim import build_with_optimizer
+from .parts_flags import check_data_parts_world
 from .progress import RunDisplay
 from .restarts import note_restart
 from .save_size import space_needed
@@ -69,7 +71,7 @@ class Session:
     accum: int
     task: Task
     strategy: Strategy
-    sampler: StepSampler
+    sampler: StepSampler | PartedStepSampler  # --data-parts P > 1: parted (non-IID)
     sched: torch.optim.lr_scheduler.LRScheduler
     faults: FaultInjector
     inst: Instruments
@@ -154,6 +156,7 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
     with contextlib.suppress(UsageError):  # as a continued run keeps its global batch
         accum = cfg.accumulation(world)
     slowdown = Slowdown(cfg.straggler, rank, world)  # likewise
+    check_data_parts_world(cfg, world)  # the same on every rank: P divides K (parts_flags.py)
     _interrupt_on_sigterm()
     faults = faults or FaultInjector()
     faults.attempt = gdist.restart_count()  # a fault fires in one attempt, not in every restart
@@ -202,7 +205,8 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
     sched = sched or torch.optim.lr_scheduler.LambdaLR(strategy.optimizer,
                                                        lambda s: lr_factor(s, cfg))
     sess = Session(cfg, rank, world, info.device, info.backend, accum, task, strategy,
-                   StepSampler(n, cfg.global_batch, seed=cfg.seed), sched,
+                   make_step_sampler(n, cfg.global_batch, cfg.data_parts, world, cfg.seed),
+                   sched,
                    faults, Instruments(cfg, rank, world, info.device), plan,
                    os.path.join(cfg.out, CHECKPOINT), started, lock=lock)
     # across replica groups the quorum deals the batch (ft_step.py): no balancer's split

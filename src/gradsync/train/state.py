@@ -2,7 +2,8 @@
 
 ``checkpoint.pt`` (rank 0, atomic, CRC-checked on load) holds the step, the
 scheduler, the sampler's *global* position (:class:`gradsync.data.StepSampler`:
-no per-rank state, so it continues on any number of workers), the config, the
+no per-rank state, so it continues on any number of workers; with ``--data-parts
+P`` every part's, ``data/parted_sampler.py``, on any multiple of P), the config, the
 RNG state, the strategy's extra state and the unwrapped model (no ``module.``
 prefixes; gathered in full for ZeRO-3). With plain DataParallel it also holds
 the optimizer state, identical on every rank. With ZeRO the optimizer state is
@@ -15,9 +16,10 @@ name and re-sharded on load (``engine/zero_checkpoint.py``), so ZeRO runs, too,
 continue on a different number of workers.
 
 What must match to continue a run (:data:`MUST_MATCH`) is what fixes its
-trajectory: the model, the data, the global batch, the seed, the strategy, the
-precision. The number of workers and the micro-batch may change (the global
-batch is then split differently, the set of samples in each step is not), and
+trajectory: the model, the data (and its ``--data-parts``), the global batch, the
+seed, the strategy, the precision. The number of workers and the micro-batch may
+change (the global batch is then split differently, the set of samples in each
+step is not), and
 so may ``--steps``. The update rule -- learning rate, schedule and its planned
 length, optimizer and its options, clipping -- changes only where ``--override``
 names it (``identity.py``); a run continued past its planned schedule keeps it
@@ -46,8 +48,9 @@ from .identity import optimizer_of
 from .unit import config_digest, identity, new_run_id, shard_record
 
 MUST_MATCH = ("model", "data", "seq_len", "global_batch", "seed", "strategy", "precision",
-              "sync", "compress")
-_OLD_DEFAULTS = {"strategy": "ddp", "precision": "fp32", "sync": "exact", "compress": "none"}
+              "sync", "compress", "data_parts")
+_OLD_DEFAULTS = {"strategy": "ddp", "precision": "fp32", "sync": "exact", "compress": "none",
+                 "data_parts": 1}
 
 
 @dataclass
