@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ReduceOp
 
-from ..engine.local.diloco import DiLoCo, as_items
+from ..engine.local.diloco import DiLoCo
+from ..engine.local.exchange import as_items
 from ..engine.local.streaming import StreamingDiLoCo, _InFlight
 from ..engine.transport import comm
 from .shares import even_counts

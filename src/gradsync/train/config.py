@@ -28,6 +28,7 @@ from .mode_flags import check_mode_flags
 from .parts_flags import check_data_parts
 from .splits import continue_on
 from .straggler import parse_stragglers
+from .trace_flags import traced_steps
 from .trackers import check_log
 
 OPTIMIZER_CHOICES = ("auto", *OPTIMIZERS)
@@ -249,29 +250,7 @@ class TrainConfig:
 
     def trace_window(self) -> tuple[int, int] | None:
         """The traced steps (1-based, inclusive), or None; checked against --steps."""
-        if not self.trace:
-            return None
-        if not self.trace_steps:
-            first = min(3, self.steps)
-            return first, min(first + 2, self.steps)
-        text = self.trace_steps.strip()
-        parts = text.split(":")
-        try:
-            if len(parts) == 1:
-                first = last = int(parts[0])
-            elif len(parts) == 2:
-                first, last = int(parts[0]), int(parts[1])
-            else:
-                raise ValueError
-        except ValueError:
-            raise UsageError(f"--trace-steps must be FIRST:LAST or one step number, "
-                             f"got {self.trace_steps!r}") from None
-        if first < 1 or last < first:
-            raise UsageError(f"--trace-steps {text}: need 1 <= FIRST <= LAST")
-        if last > self.steps:
-            raise UsageError(f"--trace-steps {text} goes beyond the last step (--steps "
-                             f"{self.steps}); choose a window within 1:{self.steps}")
-        return first, last
+        return traced_steps(self.trace, self.trace_steps, self.steps)
 
     def accumulation(self, world_size: int, resuming: bool = False) -> int:
         """Micro-steps per optimizer step; the global batch must divide exactly.

@@ -52,38 +52,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import UsageError
-from ..compress import Compressor, parse_compression
-from ..sync.item_window import as_count
 from ..sync.replicas import broadcast_module_state, verify_same_structure
 from ..transport.algorithms.topology import HostTopology
-from .exchange import DiLoCoStats, average_buffers, sum_with_items
-from .fragments import Fragment, build_outer_optimizer, split_parameters
+from .exchange import DiLoCoStats, as_items, average_buffers, resolve_compressor, sum_with_items
+from .fragments import Fragment, build_outer_optimizer, default_outer_optimizer, split_parameters
 from .schedule import SyncSchedule
 from .warmup import SynchronousWarmUp
-
-
-def default_outer_optimizer(params) -> torch.optim.Optimizer:
-    """The DiLoCo paper's outer optimizer (arXiv 2311.08105, section 3)."""
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
-
-
-def local_sgd_outer_optimizer(params) -> torch.optim.Optimizer:
-    """Outer SGD lr 1, no momentum: the global copy becomes the (item-weighted) average."""
-    return torch.optim.SGD(params, lr=1.0)
-
-
-def as_items(num_items) -> float:
-    """Items of one inner step: ``None`` counts one (every worker takes the same steps)."""
-    return 1.0 if num_items is None else as_count(num_items)
-
-
-def resolve_compressor(compress) -> Compressor | None:
-    if compress is None or isinstance(compress, Compressor):
-        return compress
-    if isinstance(compress, str):
-        return parse_compression(compress)
-    raise UsageError(f"compress must be None, a string like 'int8' or a Compressor, "
-                     f"got {type(compress).__name__}")
 
 
 class DiLoCo(SynchronousWarmUp):

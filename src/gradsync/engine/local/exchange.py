@@ -21,12 +21,28 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..compress import Compressor
+from ...errors import UsageError
+from ..compress import Compressor, parse_compression
 from ..compress.base import ring_bytes
+from ..sync.item_window import as_count
 from ..sync.replicas import broadcast_tensors
 from ..transport import comm
 from ..transport.algorithms import hierarchical
 from ..transport.algorithms.topology import HostTopology
+
+
+def as_items(num_items) -> float:
+    """Items of one inner step: ``None`` counts one (every worker takes the same steps)."""
+    return 1.0 if num_items is None else as_count(num_items)
+
+
+def resolve_compressor(compress) -> Compressor | None:
+    if compress is None or isinstance(compress, Compressor):
+        return compress
+    if isinstance(compress, str):
+        return parse_compression(compress)
+    raise UsageError(f"compress must be None, a string like 'int8' or a Compressor, "
+                     f"got {type(compress).__name__}")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,16 @@ from torch import nn
 from ...errors import UsageError
 
 
+def default_outer_optimizer(params) -> torch.optim.Optimizer:
+    """The DiLoCo paper's outer optimizer (arXiv 2311.08105, section 3)."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def local_sgd_outer_optimizer(params) -> torch.optim.Optimizer:
+    """Outer SGD lr 1, no momentum: the global copy becomes the (item-weighted) average."""
+    return torch.optim.SGD(params, lr=1.0)
+
+
 class Fragment:
     """A set of parameters synchronised together, with its global (anchor) copy.
 

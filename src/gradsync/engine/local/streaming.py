@@ -39,8 +39,9 @@ from torch import nn
 from ...errors import UsageError
 from ..compress.thread import private_group
 from ..transport.algorithms.topology import HostTopology
-from .diloco import DiLoCo, as_items
+from .diloco import DiLoCo
 from .eager import EagerUpdates
+from .exchange import as_items
 
 
 class _InFlight:
