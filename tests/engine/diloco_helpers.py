@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from gradsync.engine.local.diloco import local_sgd_outer_optimizer
+from gradsync.engine.local.fragments import local_sgd_outer_optimizer
 from tests.helpers import dataset, mlp, mse, same_tensors, uneven_schedule
 
 LR = 0.05
@@ -41,7 +41,7 @@ def outer_optimizer(kind):
 
 
 def outer_factory(kind):
-    from gradsync.engine.local.diloco import default_outer_optimizer
+    from gradsync.engine.local.fragments import default_outer_optimizer
     return outer_optimizer(kind) or default_outer_optimizer
 
 
@@ -50,6 +50,15 @@ def inner_step(model, opt, x, y, idx):
         mse(model(x[idx]), y[idx]).backward()
         opt.step()
         opt.zero_grad()
+
+
+def local_steps(models, inners, x, y, shares, items):
+    """Every worker's inner step on its share of the step; its items counted in every
+    fragment's tally (``items[f][r]``)."""
+    for r, idx in enumerate(shares):
+        inner_step(models[r], inners[r], x, y, idx)
+        for tally in items:
+            tally[r] += len(idx)
 
 
 def build_diloco(cfg, model):
@@ -151,11 +160,7 @@ def reference_local(sched, steps, world, cfg, fragments=None, make_outer=None):
         return s + tau, f, delta, total
 
     for s in range(1, steps + 1):
-        for r in range(world):
-            idx = sched[s - 1][r]
-            inner_step(models[r], inners[r], x, y, idx)
-            for f in range(F):
-                items[f][r] += len(idx)
+        local_steps(models, inners, x, y, sched[s - 1], items)
         for job in [j for j in inflight if j[0] <= s]:
             inflight.remove(job)
             apply(job[1], job[2], job[3], alpha)

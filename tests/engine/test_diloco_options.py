@@ -44,6 +44,7 @@ from tests.engine.diloco_helpers import (
     flat_schedule,
     identical,
     inner_step,
+    local_steps,
     reference_local,
     run_diloco,
 )
@@ -308,11 +309,7 @@ def _reference_eager(sched, steps, world, cfg, frags):
             prev[f][r] = (summed, total, own[r], n[r])
 
     for s in range(1, steps + 1):
-        for r in range(world):
-            idx = sched[s - 1][r]
-            inner_step(models[r], inners[r], x, y, idx)
-            for f in range(F):
-                items[f][r] += len(idx)
+        local_steps(models, inners, x, y, sched[s - 1], items)
         with torch.no_grad():
             for job in [j for j in inflight if j[0] <= s]:
                 finish(job)
