@@ -8,6 +8,7 @@ lands the signal exactly there; the second interrupts at a spread of moments.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,7 +99,9 @@ def _interrupt_at(moment: float, out: str) -> str | None:
     # Before gradsync's main() runs (interpreter start-up, the first imports) Python's own
     # handling holds: a traceback, then death by SIGINT (a shell reports 130), or exit 1
     # when it lands in Python's import of `site` ("Fatal Python error: init_import_site").
-    python_default = proc.returncode in (-signal.SIGINT, 1) and ", in main\n" not in err
+    # "In main" alone is not gradsync's: site.py's own main() is on that traceback.
+    in_gradsync_main = re.search(r'gradsync[/\\][^"\n]*", line \d+, in main\n', err)
+    python_default = proc.returncode in (-signal.SIGINT, 1) and not in_gradsync_main
     if not (proc.returncode == 130 and "Traceback" not in err or python_default):
         return f"at {moment} s: exit {proc.returncode}: {err[-400:]}"
     return f"at {moment} s: left running: {left}" if left else None
