@@ -91,6 +91,7 @@ class StepRecord:
     grad_cosine: float | None = None  # compressed vs exact gradient, on probed steps
     grad_rel_error: float | None = None
     grad_steps: list[int] | None = None  # --compress-delay: the steps whose gradients it applied
+    one_model: bool | None = None  # local updates: every replica holds the same model now
     share_by_rank: list[int] = field(default_factory=list)  # samples each rank took
     busy_s_by_rank: list[float] = field(default_factory=list)  # compute: step minus blocked
     balance_saved_s: float | None = None  # vs the even split, from this step's rates

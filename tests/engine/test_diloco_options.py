@@ -497,8 +497,13 @@ def test_gradsync_train_runs_the_options_and_checks_replicas_where_they_agree(tm
         drift_every=1, no_report=True, seed=0, timeout=60, model="tests.train.factories:tiny64",
         data="tests.train.factories:regression64", sync="diloco", sync_every=2, sync_warmup=3,
         outer_momentum_warmup=2, sync_every_max=6))
-    sent = [m["sent_bytes"] for m in read_metrics(str(out / METRICS))[0]]
+    rows = read_metrics(str(out / METRICS))[0]
+    sent = [m["sent_bytes"] for m in rows]
     assert len(sent) == 10 and all(sent[:3]) and sent[3] == 0, sent  # step 4: local, no sync
+    # metrics say where the replicas are one model (a held-out loss there is one model's):
+    # the warm-up steps and the syncs, not the local steps between
+    one_model = [m["one_model"] for m in rows]
+    assert one_model[:9] == [True] * 3 + [bool(b) for b in sent[3:9]], (one_model, sent)
     syncs = [s + 1 for s in range(3, 9) if sent[s]]  # steps after the warm-up that synced
     assert syncs[0] == 5 and any(s % 2 for s in syncs), syncs  # H = 2 from step 3, then grown
     drift = json.loads((out / DRIFT).read_text())

@@ -20,7 +20,14 @@ import html
 
 from ..rundir import sync_description
 from .run_data import RunData
-from .sync_mode import COMPRESSED, LOCAL, compressor_text, first_drift_check, sync_mode
+from .sync_mode import (
+    COMPRESSED,
+    LOCAL,
+    compressor_text,
+    first_drift_check,
+    sync_mode,
+    sync_schedule,
+)
 from .traffic import gradient_bytes, run_traffic, traffic_line
 
 
@@ -118,7 +125,8 @@ def drift_html(run: RunData, mode: str) -> str:
     at = d.get("at", "steps")
     if at == "syncs":
         text = (f"replicas identical in all {d.get('checks')} check(s), each right after a "
-                f"sync (syncs every {c.get('sync_every', '?')} steps; checked at the first, "
+                f"{'sync or warm-up step' if c.get('sync_warmup') else 'sync'} "
+                f"({sync_schedule(c)}; checked at the first, "
                 f"then at most every {d.get('every')} steps) or at the end; {how}")
     elif at == "end":
         text = f"replicas identical after the final sync ({d.get('checks')} check(s); {how})"

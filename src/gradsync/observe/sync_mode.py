@@ -42,11 +42,24 @@ def compressor_text(spec: str) -> str:
 def first_drift_check(config: dict) -> int | None:
     """The step of a run's first replica check, if before its end (train/instrument.py):
     every ``--drift-every`` steps; DiLoCo after each sync (every ``--sync-every``);
-    streaming DiLoCo only at the end (None); ``--drift-every 0`` or zero3 never (None)."""
+    streaming DiLoCo only at the end (None); ``--drift-every 0`` or zero3 never (None);
+    a synchronous warm-up (``--sync-warmup``) from step 1."""
     every = config.get("drift_every", 1)
     if not every or config.get("strategy") == "zero3":
         return None
     method = config.get("sync", "exact")
+    if config.get("sync_warmup") and method in ("diloco", "streaming-diloco"):
+        return 1  # the synchronous warm-up's steps leave one model
     if method == "streaming-diloco":
         return None
     return int(config.get("sync_every") or 1) if method == "diloco" else int(every)
+
+
+def sync_schedule(config: dict) -> str:
+    """When a local-update run syncs, in words: the interval, and the warm-up or the
+    growing interval when the run has them (``--sync-warmup``, ``--sync-every-max``)."""
+    h, w, m = config.get("sync_every", "?"), config.get("sync_warmup"), config.get(
+        "sync_every_max")
+    every = (f"every {h} to {m} steps, further apart as the learning rate decays" if m
+             else f"every {h} steps")
+    return f"synchronous for the first {w} steps, then syncs {every}" if w else f"syncs {every}"

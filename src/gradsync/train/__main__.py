@@ -59,7 +59,10 @@ def _lost_a_peer(e: BaseException) -> str | None:
     return f"stopped: another worker failed ({m.group(0)}); {then}"
 
 
-def main(argv=None) -> int:
+def main(argv=None, callbacks=None) -> int:
+    """Parse the flags and train this rank. ``callbacks``: ``gs.Callback`` objects for
+    rank 0 (``callbacks.py``), for a script that wraps this entry point under torchrun
+    (the slow-link benchmark counts the bytes on its link after every step)."""
     parser = argparse.ArgumentParser(prog="python -m gradsync.train",
                                      description="gradsync training worker (run under torchrun)")
     add_arguments(parser, skip=("workers", "port", "max_restarts"))
@@ -78,7 +81,7 @@ def main(argv=None) -> int:
         keep_freed_memory()
         gdist.init(cfg.backend, cfg.timeout)
         cfg.workers = gdist.world_size()
-        run_worker(cfg.to_dict(), faults=faults)
+        run_worker(cfg.to_dict(), faults=faults, callbacks=callbacks)
     except UsageError as e:
         print(f"gradsync.train (rank {rank}): error: {e}", file=sys.stderr)
         return 2

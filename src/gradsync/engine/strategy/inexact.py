@@ -29,6 +29,7 @@ from torch import nn
 
 from ...errors import UsageError
 from ..compress.base import ring_bytes
+from ..local.streaming import StreamingDiLoCo
 from ..replicated.data_parallel import DataParallel
 from ..replicated.memory_report import MemoryReport, held, optimizer_bytes
 from ..sync.item_window import as_count
@@ -228,7 +229,16 @@ class LocalUpdateStrategy(_PerRankState, Strategy):
     def step_report(self) -> dict:
         stats = self.diloco.stats()
         sent, self._sent = stats.bytes_sent - self._sent, stats.bytes_sent
-        return {"sent_bytes": sent}
+        return {"sent_bytes": sent, "one_model": self.one_model()}
+
+    def one_model(self) -> bool:
+        """Whether every replica holds the same parameters after the step just taken:
+        after a DiLoCo sync or a synchronous warm-up step, so a held-out loss then is
+        one model's (streaming merges fragments into replicas that stay apart)."""
+        d = self.diloco
+        if isinstance(d, StreamingDiLoCo):
+            return d.steps <= d.schedule.warmup
+        return d.replicas_agree
 
     def memory_report(self) -> MemoryReport:
         module, opt = self.model.module, self.optimizer
