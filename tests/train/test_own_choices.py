@@ -50,7 +50,9 @@ class Recorder(gs.Callback):
                                 "eval_metrics": info.eval_metrics, **more}) + "\n")
 
     def on_step_end(self, info):
-        self._write("step", info, line=info.record["step"])
+        path = os.path.join(info.out, "checkpoint.pt")  # the step's own save comes after
+        ckpt = torch.load(path, weights_only=False)["step"] if os.path.exists(path) else None
+        self._write("step", info, line=info.record["step"], ckpt=ckpt)
 
     def on_eval(self, info):
         self._write("eval", info)
@@ -170,6 +172,8 @@ def test_callbacks_run_on_rank_0_in_order_and_after_a_resume(runs):
                                                         row.get("eval_loss"))
         assert c["eval_metrics"] == row.get("eval_metrics", {})
     assert [c["saved"] for c in calls if c["hook"] == "checkpoint"] == [2, 4]
+    # on_step_end comes before the step's checkpoint is written, on_checkpoint after it
+    assert [c["ckpt"] for c in calls if c["hook"] == "step"] == [None, None, 2, 2]
 
 
 # ------------------------------------------------------------------ in-process rules

@@ -17,8 +17,9 @@ The decisions, and why:
   gets its own copy, so what a callback keeps in its attributes lives in rank 0's
   process and is gone when the run ends or restarts: write what must outlast it
   to a file (``info.out`` is the run directory).
-* Order within a step: ``on_step_end``, then ``on_eval`` (if it evaluated), then
-  ``on_checkpoint`` (if it saved); callbacks in the order given. After a resume
+* Order within a step: ``on_step_end``, then ``on_eval`` (if it evaluated), both
+  before anything between steps (the drift check, saving), then ``on_checkpoint``
+  (if it saved); callbacks in the order given. After a resume
   they are called from the first step that is computed again.
 * They run inline: the other ranks wait for rank 0 at the next step's first
   collective, so a slow callback slows the run (keep them quick, or hand work to
@@ -106,17 +107,25 @@ class Callbacks:
             if callable(fn):
                 fn(info)
 
-    def after_step(self, sess, rec, saved: bool) -> None:
-        """A step is done (its line written; evaluated, saved as it happened)."""
-        if not self.callbacks:
-            return
-        info = CallbackInfo(step=rec.step, steps=sess.cfg.steps, loss=rec.loss, lr=rec.lr,
+    def _info(self, sess, rec) -> CallbackInfo:
+        return CallbackInfo(step=rec.step, steps=sess.cfg.steps, loss=rec.loss, lr=rec.lr,
                             grad_norm=rec.grad_norm, skipped=rec.skipped,
                             eval_loss=rec.eval_loss, eval_metrics=dict(rec.eval_metrics or {}),
                             out=sess.cfg.out, record=rec.to_json())
+
+    def step_ended(self, sess, rec) -> None:
+        """A step is done (its line written, evaluated if due), before anything between
+        steps (the drift check, the checkpoint): what a callback measures then is the
+        step's own, not the saving's (the benchmark's link bytes)."""
+        if not self.callbacks:
+            return
+        info = self._info(sess, rec)
         self._call("on_step_end", info)
         if rec.eval_loss is not None or rec.eval_metrics:
             self._call("on_eval", info)
-        if saved:
+
+    def saved(self, sess, rec) -> None:
+        """The checkpoint after step ``rec.step`` is complete on disk."""
+        if self.callbacks:
             path = os.path.join(sess.cfg.out, CHECKPOINT)
-            self._call("on_checkpoint", replace(info, checkpoint=path))
+            self._call("on_checkpoint", replace(self._info(sess, rec), checkpoint=path))

@@ -60,8 +60,10 @@ def train_session(sess: Session, callbacks=None) -> dict | None:
             step += 1
             if getattr(sess.ft, "local", False):  # DiLoCo across groups: its sync, when due
                 sess.ft.after_step(rec.step)
+            hooks.step_ended(sess, rec)
             stop = _between_steps(sess, rec.step)
-            hooks.after_step(sess, rec, saved=sess.last_checkpoint == rec.step)
+            if sess.last_checkpoint == rec.step:
+                hooks.saved(sess, rec)
             if stop:
                 if sess.display:
                     sess.display.say(f"gradsync train: stopped after step {rec.step} (checkpoint "
