@@ -83,19 +83,25 @@ def sum_with_items(compressor: Compressor | None, key: int, shapes, flat: torch.
     topology = group if isinstance(group, HostTopology) else None
     group = None if topology is not None else group
     count = torch.tensor([items], dtype=torch.float64, device=flat.device)
-    pending = comm.all_reduce(count, group, async_op=True, tag="diloco-items")
     world = dist.get_world_size(group)
     if topology is not None:
         hierarchical.all_reduce_(flat, topology, tag="diloco")
         sent = ring_bytes(flat.numel() * flat.element_size(), world)
-    elif compressor is None:
-        comm.all_reduce(flat, group, tag="diloco", meta={"fragment": key, "step": step})
-        sent = ring_bytes(flat.numel() * flat.element_size(), world)
+        # the count too only on the topology's groups (integers: exact in any order):
+        # streaming DiLoCo's thread owns its topology, and a count summed on the world
+        # group from there raced the main thread's collectives on it (a hang)
+        for on in (topology.intra_group, topology.inter_group):
+            comm.all_reduce(count, on, tag="diloco-items")
     else:
-        before = compressor.stats().sent_bytes
-        compressor.all_reduce_(key, flat, shapes, group)
-        sent = compressor.stats().sent_bytes - before
-    pending.wait()
+        pending = comm.all_reduce(count, group, async_op=True, tag="diloco-items")
+        if compressor is None:
+            comm.all_reduce(flat, group, tag="diloco", meta={"fragment": key, "step": step})
+            sent = ring_bytes(flat.numel() * flat.element_size(), world)
+        else:
+            before = compressor.stats().sent_bytes
+            compressor.all_reduce_(key, flat, shapes, group)
+            sent = compressor.stats().sent_bytes - before
+        pending.wait()
     header = ring_bytes(count.numel() * count.element_size(), world)
     exact = ring_bytes(flat.numel() * flat.element_size(), world)
     return flat, float(count[0]), sent + header, exact + header
