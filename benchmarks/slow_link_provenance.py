@@ -66,7 +66,8 @@ def start(results: dict, fresh: bool, path: Path) -> dict:
     """The results to add to: ``results`` if it is this commit's (or empty), else a refusal
     -- or, with ``fresh``, an empty file (the old one kept as results-<commit>.json)."""
     commit = code_commit()
-    old = results.get("provenance", {}).get("commit")
+    old = results.get("provenance", {}).get("commit") or (
+        "unknown-commit" if results else None)  # the single-seed files carried none
     if old and old != commit:
         if not fresh:
             raise SystemExit(

@@ -281,6 +281,10 @@ def test_results_of_other_code_are_refused_or_kept_aside_never_merged(tmp_path):
     fresh = provenance.start(theirs, True, path)
     assert fresh["provenance"]["commit"] == here and fresh["runs"] == {}
     assert json.loads((tmp_path / "results-000000000000.json").read_text()) == theirs
+    single_seed = {"mlp": {"100mbit": {"exact": {}}}}  # the older format: no provenance
+    path.write_text(json.dumps(single_seed))
+    with pytest.raises(SystemExit, match="holds runs of commit unknown-comm"):
+        provenance.start(single_seed, False, path)
 
 
 def test_quick_shrinks_every_interval_but_not_the_bound():
