@@ -140,7 +140,7 @@ def print_tables(results: dict, quick_h: dict) -> None:
         t = Table(title=title)
         for header, _ in COLUMNS:
             t.add_column(header, justify="left" if header == "method" else "right",
-                         no_wrap=header.startswith("final"))
+                         no_wrap=header.startswith("final") or header == "method")
         for cells in rows:
             t.add_row(*cells)
         console.print(t)
