@@ -83,7 +83,7 @@ WORKLOADS: dict[str, dict] = {
     # read the first half, 2-3 the second), held out on windows spread over both.
     "gpt-noniid": {"steps": 200, "eval_every": 10,
                    "flags": [*GPT_FLAGS, "--data-parts", "2"],
-                   "methods": ["torch-ddp", "diloco-25", "diloco-25-hosts", "no-sync"]},
+                   "methods": ["torch-ddp", "diloco-25", "streaming-hosts-eager", "no-sync"]},
 }
 
 LOCAL = {"diloco-25": 25, "diloco-25-warm": None, "diloco-25-hosts": 25,
