@@ -14,6 +14,8 @@ from torch import nn
 
 import gradsync as gs
 from gradsync.engine.local.fragments import local_sgd_outer_optimizer
+from gradsync.engine.transport import comm
+from gradsync.engine.transport.algorithms import HostTopology
 from tests.helpers import dataset, mlp, mse, same_tensors, uneven_schedule
 
 LR = 0.05
@@ -99,6 +101,49 @@ def run_diloco(cfg, sched, steps, cut=None, model_fn=mlp):
         d.step(num_items=len(idx))
     d.sync_now()
     return {"params": [p.detach().clone() for p in model.parameters()], "stats": d.stats()}
+
+
+def host_worker_run(cfg, sched, per_host=2, after_step=None):
+    """One rank of a run with a DiLoCo worker per host of ``per_host`` ranks (exact data
+    parallelism inside it); ``after_step(rank, step)``, if given, runs after every step
+    (what a training loop does between steps). Returns the parameters, the stats and the
+    pseudo-gradient bytes and algorithms a comm observer saw."""
+    rank = gs.rank()
+    top = HostTopology(ranks_per_host=per_host)
+    x, y = dataset()
+    model = mlp()
+    replica = gs.DataParallel(model, group=top.intra_group)
+    inner = torch.optim.SGD(model.parameters(), lr=LR)
+    common = dict(outer_optimizer=outer_optimizer(cfg["outer"]), sync_every=cfg["H"], topology=top)
+    if "F" in cfg:
+        d = gs.StreamingDiLoCo(model, inner, fragments=cfg["F"], delay=cfg["tau"],
+                               alpha=cfg["alpha"], **common)
+    else:
+        d = gs.DiLoCo(model, inner, **common)
+    inter = {"bytes": 0}
+
+    def observe(phase, ev):  # pseudo-gradient reductions and the algorithm that ran them
+        if phase == "launch" and ev.tag == "diloco":
+            inter["bytes"] += ev.nbytes
+            inter.setdefault("algorithms", set()).add((ev.meta or {}).get("algorithm"))
+
+    with comm.add_observer(observe):
+        for s in range(len(sched)):
+            idx = sched[s][rank]
+            if idx:
+                replica.backward(mse(replica(x[idx]), y[idx]), num_items=len(idx))
+            else:
+                replica.backward(None, num_items=0)
+            inner.step()
+            inner.zero_grad()
+            d.step(num_items=len(idx))
+            if after_step is not None:
+                after_step(rank, s)
+        d.sync_now()
+    if hasattr(d, "close"):
+        d.close()
+    return {"params": [p.detach().clone() for p in model.parameters()], "stats": d.stats(),
+            "inter_host": inter}
 
 
 def identical(res, world):

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 import gradsync as gs
-from gradsync.engine.transport import comm
 from gradsync.engine.transport.algorithms import HostTopology
 from tests.engine.diloco_helpers import (
     DP,
@@ -31,56 +30,18 @@ from tests.engine.diloco_helpers import (
     STREAM,
     TOL,
     flat_schedule,
+    host_worker_run,
     identical,
-    outer_optimizer,
     reference_local,
     reference_sync_sgd,
 )
-from tests.helpers import SharedSpawn, dataset, errors_of, max_gap, mlp, mse
+from tests.helpers import SharedSpawn, errors_of, max_gap, mlp
 
 WORLD, PER_HOST = 4, 2
 SCHED = flat_schedule(STEPS, WORLD)
 HOST_SCHED = [[step[2 * h] + step[2 * h + 1] for h in range(WORLD // PER_HOST)]
               for step in SCHED]
 """What each host saw: its two ranks' items, in rank order."""
-
-
-def _host_run(cfg, sched):
-    """One rank of a host-worker run; returns parameters, stats and inter-host bytes."""
-    rank = gs.rank()
-    top = HostTopology(ranks_per_host=PER_HOST)
-    x, y = dataset()
-    model = mlp()
-    replica = gs.DataParallel(model, group=top.intra_group)
-    inner = torch.optim.SGD(model.parameters(), lr=LR)
-    common = dict(outer_optimizer=outer_optimizer(cfg["outer"]), sync_every=cfg["H"], topology=top)
-    if "F" in cfg:
-        d = gs.StreamingDiLoCo(model, inner, fragments=cfg["F"], delay=cfg["tau"],
-                               alpha=cfg["alpha"], **common)
-    else:
-        d = gs.DiLoCo(model, inner, **common)
-    inter = {"bytes": 0}
-
-    def observe(phase, ev):  # pseudo-gradient reductions and the algorithm that ran them
-        if phase == "launch" and ev.tag == "diloco":
-            inter["bytes"] += ev.nbytes
-            inter.setdefault("algorithms", set()).add((ev.meta or {}).get("algorithm"))
-
-    with comm.add_observer(observe):
-        for s in range(STEPS):
-            idx = sched[s][rank]
-            if idx:
-                replica.backward(mse(replica(x[idx]), y[idx]), num_items=len(idx))
-            else:
-                replica.backward(None, num_items=0)
-            inner.step()
-            inner.zero_grad()
-            d.step(num_items=len(idx))
-        d.sync_now()
-    if hasattr(d, "close"):
-        d.close()
-    return {"params": [p.detach().clone() for p in model.parameters()], "stats": d.stats(),
-            "inter_host": inter}
 
 
 def _bad_input():
@@ -91,8 +52,8 @@ def _bad_input():
                      compressed=lambda: gs.DiLoCo(model, opt, topology=top, compress="int8"))
 
 
-JOBS = {"dp": (_host_run, (DP, SCHED)), "nesterov": (_host_run, (NESTEROV, SCHED)),
-        "stream": (_host_run, (STREAM, SCHED)), "bad_input": (_bad_input, ())}
+JOBS = {"dp": (host_worker_run, (DP, SCHED)), "nesterov": (host_worker_run, (NESTEROV, SCHED)),
+        "stream": (host_worker_run, (STREAM, SCHED)), "bad_input": (_bad_input, ())}
 
 
 SPAWN = SharedSpawn(JOBS, timeout_s=90)

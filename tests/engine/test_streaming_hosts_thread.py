@@ -17,46 +17,26 @@ import time
 import pytest
 import torch
 
-import gradsync as gs
 from gradsync.engine.transport import comm
-from gradsync.engine.transport.algorithms import HostTopology
-from tests.engine.diloco_helpers import LR, STEPS, STREAM, flat_schedule, identical, outer_optimizer
-from tests.helpers import SharedSpawn, dataset, mlp, mse
+from tests.engine.diloco_helpers import STEPS, STREAM, flat_schedule, host_worker_run, identical
+from tests.helpers import SharedSpawn
 
 WORLD, PER_HOST = 4, 2
 SCHED = flat_schedule(STEPS, WORLD)
 
 
-def _run(busy_main: bool):
-    rank = gs.rank()
-    top = HostTopology(ranks_per_host=PER_HOST)
-    x, y = dataset()
-    model = mlp()
-    replica = gs.DataParallel(model, group=top.intra_group)
-    inner = torch.optim.SGD(model.parameters(), lr=LR)
-    d = gs.StreamingDiLoCo(model, inner, outer_optimizer=outer_optimizer(STREAM["outer"]),
-                           sync_every=STREAM["H"], fragments=STREAM["F"], delay=STREAM["tau"],
-                           alpha=STREAM["alpha"], topology=top)
-    for s in range(STEPS):
-        idx = SCHED[s][rank]
-        if idx:
-            replica.backward(mse(replica(x[idx]), y[idx]), num_items=len(idx))
-        else:
-            replica.backward(None, num_items=0)
-        inner.step()
-        inner.zero_grad()
-        d.step(num_items=len(idx))
-        if busy_main:  # the loop's statistics, while a fragment may be in flight
-            time.sleep(0.02 * ((rank + s) % 3))
-            out = torch.empty(2 * WORLD, dtype=torch.float64)
-            comm.all_gather_single(out, torch.tensor([rank, s], dtype=torch.float64))
-            assert out.view(WORLD, 2)[:, 1].tolist() == [s] * WORLD, out
-    d.sync_now()
-    d.close()
-    return {"params": [p.detach().clone() for p in model.parameters()]}
+def _busy_main(rank, step):
+    """The loop's statistics, while a fragment may be in flight: an all-gather on the
+    world group at a rank- and step-dependent moment."""
+    time.sleep(0.02 * ((rank + step) % 3))
+    out = torch.empty(2 * WORLD, dtype=torch.float64)
+    comm.all_gather_single(out, torch.tensor([rank, step], dtype=torch.float64))
+    assert out.view(WORLD, 2)[:, 1].tolist() == [step] * WORLD, out
 
 
-SPAWN = SharedSpawn({"quiet": (_run, (False,)), "busy": (_run, (True,))}, timeout_s=60)
+SPAWN = SharedSpawn({"quiet": (host_worker_run, (STREAM, SCHED)),
+                     "busy": (host_worker_run, (STREAM, SCHED, PER_HOST, _busy_main))},
+                    timeout_s=60)
 
 
 @pytest.mark.timeout(150)
