@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-from torch import nn
+from alternating_blocks import alternate, mlp, mlp_megabytes, summary_lines
 
 import gradsync as gs
 from gradsync.engine.strategy.options import SyncOptions
@@ -32,40 +31,15 @@ from gradsync.engine.strategy.registry import build_strategy
 SETTINGS = ("native", "auto")
 
 
-def _model(width: int, depth: int) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(*layers)
-
-
-def _step(strategy, x) -> float:
-    t0 = time.perf_counter()
-    model = strategy.model
-    model.backward(model(x).pow(2).mean(), num_items=x.shape[0])
-    strategy.optimizer.step()
-    strategy.optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
-
-
 def _worker(args) -> dict:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(gs.rank())
     x = torch.randn(args.batch, args.width, generator=g)
-    strategies = {c: build_strategy(_model(args.width, args.depth), "ddp", "fp32",
+    strategies = {c: build_strategy(mlp(args.width, args.depth), "ddp", "fp32",
                                     torch.optim.SGD, sync=SyncOptions(collectives=c), lr=1e-3)
                   for c in SETTINGS}
-    for s in strategies.values():
-        for _ in range(3):
-            _step(s, x)
-    out: dict = {"resolved": SyncOptions(collectives="auto").resolved().collectives,
-                 "blocks": {c: [] for c in SETTINGS}, "times": {c: [] for c in SETTINGS}}
-    for r in range(args.rounds):
-        for c in (SETTINGS if r % 2 == 0 else SETTINGS[::-1]):
-            times = [_step(strategies[c], x) for _ in range(args.steps)]
-            out["blocks"][c].append(statistics.median(times) * 1e3)
-            out["times"][c].extend(times)
+    out = alternate(strategies, x, args.rounds, args.steps)
+    out["resolved"] = SyncOptions(collectives="auto").resolved().collectives
     for s in strategies.values():
         s.finish()
     return out
@@ -81,14 +55,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     args = ap.parse_args()
     res = gs.spawn(_worker, args.workers, args, timeout_s=900)[0]
-    mb = args.depth * (args.width * args.width + args.width) * 4 / 1e6
+    mb = mlp_megabytes(args.width, args.depth)
     print(f"MLP {args.depth}x{args.width} ({mb:.1f} MB of gradient), {args.workers} gloo ranks "
           f"on one host, {args.rounds} rounds x {args.steps} steps each, rank 0; auto "
           f"resolved to {res['resolved']}")
-    med = {c: statistics.median(res["times"][c]) * 1e3 for c in SETTINGS}
-    for c in SETTINGS:
-        blocks = ", ".join(f"{b:.1f}" for b in res["blocks"][c])
-        print(f"{c:>6}: median {med[c]:.1f} ms/step (block medians {blocks})")
+    print("\n".join(summary_lines(res, lambda c: f"{c:>6}")))
+    med = {c: statistics.median(res["times"][c]) for c in SETTINGS}
     print(f"auto / native: {med['auto'] / med['native']:.3f}")
 
 

@@ -15,57 +15,29 @@ block, and each block's median, so the spread between blocks shows.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-from torch import nn
+from alternating_blocks import alternate, mlp, mlp_megabytes, summary_lines
 
 import gradsync as gs
 from gradsync.engine.strategy.options import SyncOptions
 from gradsync.engine.strategy.registry import build_strategy
 
 
-def _model(width: int, depth: int) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(*layers)
-
-
-def _step(strategy, x) -> float:
-    t0 = time.perf_counter()
-    model = strategy.model
-    model.backward(model(x).pow(2).mean(), num_items=x.shape[0])
-    strategy.clip_grad_norm_(None)
-    strategy.optimizer.step()
-    strategy.optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
-
-
 def _worker(args) -> dict:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(gs.rank())
     x = torch.randn(args.batch, args.width, generator=g)
-    strategies = {d: build_strategy(_model(args.width, args.depth), "ddp", "fp32",
+    strategies = {d: build_strategy(mlp(args.width, args.depth), "ddp", "fp32",
                                     torch.optim.SGD, sync=SyncOptions(
                                         compress=args.method, compress_delay=d, probe_every=0),
                                     lr=1e-3)
                   for d in (0, 1)}
-    for s in strategies.values():
-        for _ in range(3):
-            _step(s, x)
-    blocks: dict[int, list[float]] = {0: [], 1: []}
-    for r in range(args.rounds):
-        for d in ((0, 1) if r % 2 == 0 else (1, 0)):
-            times = [_step(strategies[d], x) for _ in range(args.steps)]
-            blocks[d].append(statistics.median(times) * 1e3)
-            blocks.setdefault(10 + d, []).extend(times)
+    out = alternate(strategies, x, args.rounds, args.steps, clip=True)
     for s in strategies.values():
         s.finish()
         s.reduction.close()
-    return blocks
+    return out
 
 
 def main() -> None:
@@ -78,13 +50,10 @@ def main() -> None:
     ap.add_argument("--method", default="int8")
     args = ap.parse_args()
     res = gs.spawn(_worker, 2, args, timeout_s=600)[0]
-    mb = args.depth * (args.width * args.width + args.width) * 4 / 1e6
+    mb = mlp_megabytes(args.width, args.depth)
     print(f"{args.method}, MLP {args.depth}x{args.width} ({mb:.1f} MB of gradient), 2 ranks "
           f"gloo, {args.rounds} rounds x {args.steps} steps per delay, rank 0")
-    for d in (0, 1):
-        med = statistics.median(res[10 + d]) * 1e3
-        blocks = ", ".join(f"{b:.1f}" for b in res[d])
-        print(f"delay {d}: median {med:.1f} ms/step (block medians {blocks})")
+    print("\n".join(summary_lines(res, lambda d: f"delay {d}")))
 
 
 if __name__ == "__main__":
