@@ -59,6 +59,12 @@ def _lighthouse(port: int) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+FORWARD_S = "0.4"
+"""Each step's forward takes this long, so the 5 steps after step 3 outlast the moment
+it takes to see step 3 and kill the lighthouse (with no delay a fast machine finished
+all 8 steps first, and no quorum waited)."""
+
+
 def test_the_lighthouse_killed_and_restarted_costs_a_pause(tmp_path, straight):
     model, _ = straight
     port = _free_port()
@@ -71,7 +77,7 @@ def test_the_lighthouse_killed_and_restarted_costs_a_pause(tmp_path, straight):
                    f"127.0.0.1:{port}", "--out", str(tmp_path / f"group-{g}")]
             groups.append(subprocess.Popen(cmd, stdout=subprocess.PIPE,
                                            stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                           env=env(GRADSYNC_TEST_FORWARD_S="0")))
+                                           env=env(GRADSYNC_TEST_FORWARD_S=FORWARD_S)))
         metrics = tmp_path / "group-0" / METRICS
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # the lighthouse dies once step 3 is done
@@ -81,6 +87,8 @@ def test_the_lighthouse_killed_and_restarted_costs_a_pause(tmp_path, straight):
             time.sleep(0.05)
         light.kill()
         light.wait()
+        done = max(r.get("step", 0) for r in read_metrics(str(metrics))[0] if "loss" in r)
+        assert done < 8, f"both groups finished before the lighthouse died (step {done})"
         time.sleep(2)
         light = _lighthouse(port)
         outs = [p.communicate(timeout=180)[0] for p in groups]
@@ -95,4 +103,4 @@ def test_the_lighthouse_killed_and_restarted_costs_a_pause(tmp_path, straight):
         assert max_diff(final_model(run), model) <= 1e-12, g
         assert [r["step"] for r in step_rows(run)] == list(range(1, 9))
         waited = max(r["quorum_s"] for r in step_rows(run))
-        assert 1.5 < waited < 30, waited  # the pause is the lighthouse's absence, bounded
+        assert 1.5 < waited < 30, (g, waited)  # the pause: the lighthouse's absence, bounded
