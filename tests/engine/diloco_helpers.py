@@ -63,14 +63,16 @@ def local_steps(models, inners, x, y, shares, items):
             tally[r] += len(idx)
 
 
-def build_diloco(cfg, model):
+def build_diloco(cfg, model, topology=None):
+    """The inner optimizer and the DiLoCo (Streaming with ``F`` in ``cfg``) of a set-up;
+    with ``topology``, a worker per host of it."""
     inner = inner_optimizer(cfg.get("inner", "sgd"), model.parameters())
     outer = outer_optimizer(cfg.get("outer", "nesterov"))
     if cfg.get("outer") == "instance":  # built over the model's parameters, as torchft does
         outer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.8)
     schedule = ("warmup_steps", "outer_momentum_warmup", "sync_every_max", "eager")
     common = dict(outer_optimizer=outer, sync_every=cfg["H"], compress=cfg.get("compress"),
-                  **{k: cfg[k] for k in schedule if k in cfg})
+                  topology=topology, **{k: cfg[k] for k in schedule if k in cfg})
     if "F" in cfg:
         d = gs.StreamingDiLoCo(model, inner, fragments=cfg["F"], delay=cfg["tau"],
                                alpha=cfg["alpha"], **common)
@@ -113,13 +115,7 @@ def host_worker_run(cfg, sched, per_host=2, after_step=None):
     x, y = dataset()
     model = mlp()
     replica = gs.DataParallel(model, group=top.intra_group)
-    inner = torch.optim.SGD(model.parameters(), lr=LR)
-    common = dict(outer_optimizer=outer_optimizer(cfg["outer"]), sync_every=cfg["H"], topology=top)
-    if "F" in cfg:
-        d = gs.StreamingDiLoCo(model, inner, fragments=cfg["F"], delay=cfg["tau"],
-                               alpha=cfg["alpha"], **common)
-    else:
-        d = gs.DiLoCo(model, inner, **common)
+    inner, d = build_diloco(cfg, model, topology=top)
     inter = {"bytes": 0}
 
     def observe(phase, ev):  # pseudo-gradient reductions and the algorithm that ran them
