@@ -28,6 +28,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 RANK = {
     "errors": 0, "heap": 0, "lifeline": 0, "forkserver": 0, "sigint": 0, "runfiles": 0.5,
     "failures": 1.5,  # launch's reading of a failed worker group (below launch, above dist)
+    "nccl_rules": 0.9,  # NCCL's rules on gloo (dist initialises it)
     "dist": 1, "factory": 1, "rundir": 1, "models": 1, "data": 1,
     "hang_report": 1,  # reads flight records for launch; the engine writes them (below launch)
     "launch": 2,

@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import nccl_rules
 from .errors import UsageError
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -62,6 +63,42 @@ def resolve_backend(backend: str | None) -> str:
     return backend
 
 
+def check_local_devices(backend: str, local_workers: int, gpus: int | None = None) -> None:
+    """One NCCL rank per GPU: more workers on a host than it has GPUs is refused here,
+    in one line, instead of "invalid device ordinal" on the extra ranks (NCCL also
+    refuses two ranks on one GPU: "Duplicate GPU detected", seen on an H100)."""
+    if backend != "nccl":
+        return
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    if local_workers > gpus:
+        raise UsageError(
+            f"{local_workers} workers on this host but {gpus} GPU(s) visible: NCCL runs one "
+            f"worker per GPU; use --workers {gpus}"
+            + (" (or --backend gloo to run them on the CPU)" if gpus else ""))
+
+
+def comm_device(group=None) -> torch.device:
+    """The device a group's collectives move tensors on: the current GPU under NCCL,
+    the CPU under gloo, and the emulated accelerator's under ``GRADSYNC_NCCL_RULES``.
+
+    The one door for it: every buffer the engine allocates for communication is
+    allocated here, so a CPU tensor never meets a NCCL group."""
+    if not dist.is_initialized():
+        return torch.device("cpu")
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == nccl_rules.BACKEND:
+        return nccl_rules.group_device(group)
+    return torch.device("cpu")
+
+
+def nccl_like(group=None) -> bool:
+    """Does this group follow NCCL's rules (NCCL itself, or gloo under
+    ``GRADSYNC_NCCL_RULES``)? Choices made per backend ask this, not the name."""
+    return dist.get_backend(group) in ("nccl", nccl_rules.BACKEND)
+
+
 @dataclass(frozen=True)
 class DistInfo:
     rank: int
@@ -86,8 +123,8 @@ def info() -> DistInfo:
         return DistInfo(0, 1, 0, "none", torch.device("cpu"))
     backend = dist.get_backend()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend,
+                    comm_device())
 
 
 class ConnectTimeout(RuntimeError):
@@ -172,9 +209,14 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
         kwargs = {} if store is None else {"store": store, "rank": _env_int("RANK"),
                                            "world_size": _env_int("WORLD_SIZE")}
         if backend == "nccl":
+            local_world = (_env_int("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ
+                           else local_rank + 1)
+            check_local_devices("nccl", max(local_world, local_rank + 1))
             torch.cuda.set_device(local_rank)
             dist.init_process_group("nccl", timeout=timeout,
                                     device_id=torch.device("cuda", local_rank), **kwargs)
+        elif nccl_rules.enabled():  # gloo under NCCL's rules (nccl_rules.py)
+            dist.init_process_group(nccl_rules.register(), timeout=timeout, **kwargs)
         else:
             dist.init_process_group("gloo", timeout=timeout, **kwargs)
     return info()

@@ -86,7 +86,7 @@ def _issue(op: str, nbytes: int, world: int):
     """Buffers for one op and a closure that runs it synchronously through engine.comm."""
     import torch
 
-    from ..engine.sync.replicas import comm_device
+    from ..dist import comm_device
     from ..engine.transport import comm
 
     numel, dev = nbytes // ITEMSIZE, comm_device()

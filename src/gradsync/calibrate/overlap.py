@@ -54,7 +54,7 @@ def measure_overlap_worker(work, dp, backward_s: float, seconds_per_byte: float,
     import torch
     import torch.distributed as dist
 
-    from ..engine.sync.replicas import comm_device
+    from ..dist import comm_device
     from ..engine.transport import comm
 
     dev = comm_device()

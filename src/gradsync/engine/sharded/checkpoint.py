@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
+from ...dist import comm_device
 from ...errors import UsageError
-from ..sync.replicas import comm_device
 from ..transport import comm
 from .fsdp.units import first_names
 from .fsdp.wrapper import FullyShardedDataParallel

@@ -46,12 +46,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...dist import comm_device
 from ...errors import UnusedParametersError, UsageError
-from ..transport import comm, tracing
+from ..transport import comm, host, tracing
 from .item_window import as_count
 from .join import Join
 from .protocol import SyncProtocol, tensors_in
-from .replicas import broadcast_tensors, comm_device
+from .replicas import broadcast_tensors
 from .shadow import Shadow
 from .window_check import WINDOW_SLOTS, CheckedWindow
 
@@ -263,7 +264,7 @@ class SyncedModule(Shadow, SyncProtocol, nn.Module):
             self._sync_reset()
             raise
         if collected.used is not None:
-            used = [bool(u > 0) for u in collected.used.tolist()]
+            used = [bool(u > 0) for u in host.read(collected.used).tolist()]
         else:
             used = [True] * len(trainable)
         used = [u and t for u, t in zip(used, trainable)]

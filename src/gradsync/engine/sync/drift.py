@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...dist import comm_device
 from ...errors import ReplicaMismatchError
-from ..transport import comm
-from .replicas import comm_device
+from ..transport import comm, host
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _WEIGHT_PERIOD = 65521  # prime: position weights 1..65521
@@ -42,7 +42,7 @@ def parameter_checksums(module: nn.Module) -> tuple[list[str], torch.Tensor]:
             names.append(name)
     if not rows:
         return names, torch.zeros(0, 3, dtype=torch.int64)
-    return names, torch.stack(rows).cpu()
+    return names, host.read(torch.stack(rows))
 
 
 def check_replicas(module: nn.Module, group=None, step: int | None = None) -> int:
@@ -57,7 +57,7 @@ def check_replicas(module: nn.Module, group=None, step: int | None = None) -> in
     mine = sums.reshape(-1).to(dev)
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=dev)
     comm.all_gather_single(everyone, mine, group=group, tag="drift")
-    table = everyone.view(world, len(names), 3).cpu()
+    table = host.read(everyone.view(world, len(names), 3))
     same = (table == table[0]).all(dim=2)  # [world, P]
     if bool(same.all()):
         return len(names)

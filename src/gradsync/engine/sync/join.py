@@ -49,10 +49,11 @@ from __future__ import annotations
 
 import torch
 
+from ...dist import comm_device
 from ...errors import UsageError
 from ..transport import comm
 from .batchnorm import SyncBatchNorm
-from .replicas import broadcast_module_state, broadcast_tensors, comm_device
+from .replicas import broadcast_module_state, broadcast_tensors
 
 _GRAD, _SYNC, _BUFFERS = 0, 1, 2
 _FLAGS = 3  # then one slot per rank: 1 where that rank is active

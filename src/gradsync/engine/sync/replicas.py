@@ -22,18 +22,11 @@ from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parameter import is_lazy
 
+from ...dist import comm_device
 from ...errors import ReplicaMismatchError, UsageError
-from ..transport import comm
+from ..transport import comm, host
 
 _CHUNK_BYTES = 64 * 1024 * 1024
-
-
-def comm_device(group=None) -> torch.device:
-    """Device tensors must live on for collectives of this group's backend."""
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def ignored_names(module: nn.Module) -> frozenset[str]:
@@ -99,12 +92,10 @@ def _listings_if_different(rows: list, group) -> list | None:
     world = dist.get_world_size(group)
     everyone = torch.empty(world * len(digest), dtype=torch.uint8, device=dev)
     comm.all_gather_single(everyone, mine, group=group, tag="verify")
-    digests = everyone.view(world, -1).cpu()
+    digests = host.read(everyone.view(world, -1))
     if bool((digests == digests[0]).all()):
         return None
-    listings: list = [None] * world
-    dist.all_gather_object(listings, rows, group=group)
-    return listings
+    return comm.all_gather_object(rows, group=group, tag="verify-listings")
 
 
 def verify_same_structure(module: nn.Module, group=None, what: str = "DataParallel") -> None:

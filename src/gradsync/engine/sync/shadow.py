@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.algorithms import join as torch_join
 
+from ...dist import comm_device
 from ...errors import UsageError
 from .join import Join
-from .replicas import comm_device
 
 
 class TorchJoinHook(torch_join.JoinHook):
