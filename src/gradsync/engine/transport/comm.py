@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import flight_recorder
+from . import flight_recorder, host
 
 
 @dataclass
@@ -190,6 +190,18 @@ def reduce_scatter_single(output, input, group=None, op=dist.ReduceOp.SUM, async
                 async_op, tag, meta, group)
 
 
+def all_gather_object(obj, group=None, tag: str = "") -> list:
+    """Every rank's picklable ``obj``, by rank (blocking; off the hot path: checkpoints,
+    error reports). Tensors in it are read to the host first (``host.to_host``): a
+    device tensor pickled as it is would be unpickled by every rank onto the GPU it
+    came from. Observed as one collective."""
+    payload = host.to_host(obj)
+    out = [None] * dist.get_world_size(group)
+    with composite("all_gather_object", torch.empty(0, dtype=torch.uint8), tag, group=group):
+        dist.all_gather_object(out, payload, group=group)
+    return out
+
+
 class _Exchange:
     """Point-to-point works that complete as one; ``finish`` runs once, after all of them."""
 
@@ -214,8 +226,10 @@ def exchange(op: str, tensor: torch.Tensor, sends, recvs, group=None, p2p_tag: i
              finish=None, async_op=False, tag="", meta=None):
     """Post point-to-point sends and receives and treat them as one collective ``op``.
 
-    ``sends`` / ``recvs``: ``[(tensor, group_rank), ...]``. Every rank must post the
-    matching calls with the same ``p2p_tag``. ``finish`` (no arguments) runs after
+    ``sends`` / ``recvs``: ``[(tensor, group_rank), ...]``, posted as one
+    ``batch_isend_irecv`` (NCCL's group call). Every rank must post the matching
+    calls with the same ``p2p_tag`` (gloo matches by tag; NCCL ignores tags and
+    matches the messages between a pair in the order posted). ``finish`` (no arguments) runs after
     all of them completed, inside ``wait()``, e.g. to sum received slices. Observers
     see one event named ``op`` sized by ``tensor``.
     """
@@ -223,11 +237,16 @@ def exchange(op: str, tensor: torch.Tensor, sends, recvs, group=None, p2p_tag: i
         return r if group is None else dist.get_global_rank(group, r)
 
     def issue(_async):
-        # receives first: over an emulated 100 Mbit/s link a 4 MB two-way exchange took
-        # 354-381 ms so against 609-705 ms with the sends posted first (docs/netlab.md);
-        # no consistent difference over loopback
-        works = [dist.irecv(t, peer(r), group=group, tag=p2p_tag) for t, r in recvs]
-        works += [dist.isend(t, peer(r), group=group, tag=p2p_tag) for t, r in sends]
+        # One round is one batch_isend_irecv: NCCL runs a rank's messages in issue order
+        # on one stream, so a pair that posts its receives before its sends in separate
+        # calls waits for ever; one group call lets NCCL schedule them together
+        # (nccl_rules.py refuses anything else). On gloo the batch is the same calls in
+        # list order, receives first: over an emulated 100 Mbit/s link a 4 MB two-way
+        # exchange took 354-381 ms so against 609-705 ms with the sends posted first
+        # (docs/netlab.md); no consistent difference over loopback.
+        ops = [dist.P2POp(dist.irecv, t, peer(r), group=group, tag=p2p_tag) for t, r in recvs]
+        ops += [dist.P2POp(dist.isend, t, peer(r), group=group, tag=p2p_tag) for t, r in sends]
+        works = dist.batch_isend_irecv(ops) if ops else []
         work = _Exchange(works, finish, (sends, recvs))
         if not _async:
             work.wait()

@@ -10,11 +10,10 @@ which is the same on both sides by construction; two operations on one group at
 the same time (two threads) are not supported -- run them from one
 communication thread, in the same order on every rank.
 
-These rounds target gloo, the backend the project runs on CPU. With NCCL a send
-and a receive to the same peer issued as separate calls share one stream, which
-serialises them and can deadlock a pair sending to each other; a round there
-would have to be one ``dist.batch_isend_irecv``. Not done: there is no machine
-with two GPUs here to test it on.
+A round is one ``comm.exchange``, which posts it as one ``batch_isend_irecv``: with
+NCCL, a send and a receive to the same peer issued as separate calls share one
+stream, which serialises them and deadlocks a pair sending to each other
+(``nccl_rules.py`` refuses that on gloo, and CI runs these algorithms under it).
 """
 
 from __future__ import annotations
@@ -55,13 +54,13 @@ def group_rank_size(group) -> tuple[int, int]:
 def exchange(sends, recvs, group, finish=None, p2p_tag: int = P2P_TAG) -> None:
     """One blocking round: ``sends``/``recvs`` are ``[(tensor, group rank), ...]``.
 
-    Receives are posted before sends. On gloo that order decides whether a pair of
-    ranks sending to each other uses both directions of their one connection at
-    once: measured between two emulated hosts at 100 Mbit/s (4 MB each way, 5
-    repetitions), sends first took 609-705 ms, receives first 354-381 ms, the
-    link's rate. (``comm.exchange`` posts sends first, so this calls it twice.)
-    Empty tensors are left out on both sides (each side computes the same sizes),
-    so chunks of a tensor smaller than the group cost no message.
+    Receives are posted before sends, in the same group call. On gloo that order
+    decides whether a pair of ranks sending to each other uses both directions of
+    their one connection at once: measured between two emulated hosts at 100 Mbit/s
+    (4 MB each way, 5 repetitions), sends first took 609-705 ms, receives first
+    354-381 ms, the link's rate. Empty tensors are left out on both sides (each side
+    computes the same sizes), so chunks of a tensor smaller than the group cost no
+    message.
     """
     sends = [(t, r) for t, r in sends if t.numel()]
     recvs = [(t, r) for t, r in recvs if t.numel()]
@@ -69,14 +68,5 @@ def exchange(sends, recvs, group, finish=None, p2p_tag: int = P2P_TAG) -> None:
         if finish is not None:
             finish()
         return
-    first = (sends or recvs)[0][0]
-    incoming = None
-    if recvs:
-        incoming = comm.exchange("p2p", first, [], recvs, group=group, p2p_tag=p2p_tag,
-                                 async_op=True)
-    if sends:
-        comm.exchange("p2p", first, sends, [], group=group, p2p_tag=p2p_tag)
-    if incoming is not None:
-        incoming.wait()
-    if finish is not None:
-        finish()
+    comm.exchange("p2p", (sends or recvs)[0][0], sends, recvs, group=group,
+                  p2p_tag=p2p_tag, finish=finish)
