@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ...errors import UsageError
 from ..sync.replicas import ignored_names, without_ddp_prefix
 from ..sync.window_check import WINDOW_SLOTS as HEADER_SLOTS  # items + desync fingerprint
-from ..transport import comm
+from ..transport import comm, host
 from .autotune import AutotuneResult, BucketAutotuner
 from .buffer import Bucket
 from .plan import BucketSpec, ParamSpec, mb_to_bytes, plan_buckets
@@ -133,7 +133,7 @@ class BucketLayout:
         order = torch.tensor(local_order, dtype=torch.int64, device=self.device)
         comm.broadcast(order, 0, self.group, tag="rebuild")
         self.rebuilt = True
-        self.ready_order = order.tolist()
+        self.ready_order = host.read(order, emulated=torch.tensor(local_order)).tolist()
         return self._changed()
 
     def adopt(self, order: list[int]) -> list[BucketSpec] | None:
@@ -155,7 +155,7 @@ class BucketLayout:
             medians = torch.tensor(tuner.result.median_s, dtype=torch.float64,
                                    device=self.device)
             comm.all_reduce(medians, self.group, op=dist.ReduceOp.MAX, tag="autotune")
-            tuner.decide(medians.tolist())
+            tuner.decide(host.read(medians).tolist())
         self.cap_bytes = mb_to_bytes(tuner.current_mb)
         return self._changed()
 

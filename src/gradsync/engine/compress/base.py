@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import UsageError
+from ..transport import host
 
 _P2P_TAG_BASE = 1 << 24  # above transport/shard_comm.py's tag space [0, 2**24)
 
@@ -101,10 +102,10 @@ def forget_nonfinite_(state: torch.Tensor | None) -> None:
     following step non-finite too, and skipped, for the rest of the run. The
     non-finite step's own result stays non-finite (it must be seen and skipped);
     what it left in the state is forgotten, so the next step starts clean. One
-    summation decides (a sum is finite only when every entry is, barring overflow,
-    which then costs the exact per-entry pass): no cost but that on the hot path.
+    elementwise pass on the device, every time: asking first whether the state is
+    finite would cost the same pass plus a host read per bucket (a GPU sync).
     """
-    if state is not None and state.numel() and not torch.isfinite(state.sum()):
+    if state is not None and state.numel():
         torch.nan_to_num_(state, nan=0.0, posinf=0.0, neginf=0.0)
 
 
@@ -194,11 +195,11 @@ def gradient_distance(approx, exact) -> tuple[float, float]:
     a, e = _flat64(approx), _flat64(exact)
     if a.shape != e.shape:
         raise UsageError(f"gradient_distance: {a.numel()} elements against {e.numel()}")
-    na, ne = float(a.norm()), float(e.norm())
-    diff = float((a - e).norm())
+    na, ne, diff, dot = host.read(torch.stack([a.norm(), e.norm(), (a - e).norm(), a @ e])
+                                  ).tolist()  # one read for the four
     if ne == 0.0:
         return (1.0, 0.0) if na == 0.0 else (0.0, math.inf)
-    cosine = float(a @ e) / (na * ne) if na else 0.0
+    cosine = dot / (na * ne) if na else 0.0
     return cosine, diff / ne
 
 

@@ -21,8 +21,10 @@ same bucket; identical on all ranks). Always Gram-Schmidt (torch switches to
 Householder QR above rank 2; the results agree up to rounding and column signs,
 which ``P Q^T`` does not see). A column that is all zero (an unused parameter) is
 left zero instead of becoming NaN. A non-finite gradient leaves its own step
-non-finite, but neither the residual nor the warm-started Q (a non-finite Q is
-drawn afresh): the next step is PowerSGD from a clean state, not NaN for good.
+non-finite, but neither the residual nor the warm-started Q (a non-finite Q goes
+back to the key's first random draw, chosen on the device: asking the host whether
+Q is finite would be a GPU sync per bucket and step): the next step is PowerSGD
+from a clean state, not NaN for good.
 
 Differences from torch's hook, both deliberate:
 
@@ -85,10 +87,11 @@ def plan_matrices(shapes, rank: int, min_compression_rate: float):
 
 
 class _KeyState:
-    __slots__ = ("signature", "calls", "q", "residual")
+    __slots__ = ("signature", "calls", "q", "residual", "first")
 
     def __init__(self, signature):
         self.signature, self.calls, self.q, self.residual = signature, 0, None, None
+        self.first = None  # the first random Q: what a non-finite Q goes back to
 
 
 class PowerSGDCompressor(Compressor):
@@ -161,6 +164,7 @@ class PowerSGDCompressor(Compressor):
             gen = torch.Generator().manual_seed(self._new_seed())
             for q in qs:
                 q.copy_(torch.randn(*q.shape, generator=gen, dtype=x.dtype))
+            st.first = st.q.clone()
         for q in qs:
             orthogonalize_(q, self.epsilon)
 
@@ -191,8 +195,8 @@ class PowerSGDCompressor(Compressor):
         for m_, p, q in zip(views, ps, qs):
             torch.bmm(p, q.transpose(1, 2), out=m_)
         forget_nonfinite_(st.residual)
-        if mats and not torch.isfinite(st.q.sum()):  # bitwise the same Q everywhere: every
-            st.q = None  # rank draws a fresh one next time, from the same seed sequence
+        if mats and st.first is not None:  # bitwise the same Q everywhere: every rank alike
+            st.q.copy_(torch.where(torch.isfinite(st.q.sum()), st.q, st.first))
         return sent
 
     def _state(self) -> dict:
@@ -201,7 +205,8 @@ class PowerSGDCompressor(Compressor):
             keys[key] = {"shapes": [list(s) for s in st.signature[0]],
                          "dtype": str(st.signature[1]), "calls": st.calls,
                          "q": None if st.q is None else st.q.clone(),
-                         "residual": None if st.residual is None else st.residual.clone()}
+                         "residual": None if st.residual is None else st.residual.clone(),
+                         "first": None if st.first is None else st.first.clone()}
         return {"rank": self.rank, "random_seed": self.random_seed, "draws": self._draws,
                 "keys": keys}
 
@@ -221,4 +226,7 @@ class PowerSGDCompressor(Compressor):
             st.calls = entry["calls"]
             st.q = None if entry["q"] is None else entry["q"].clone()
             st.residual = None if entry["residual"] is None else entry["residual"].clone()
+            first = entry.get("first")
+            st.first = first.clone() if first is not None else (
+                None if st.q is None else st.q.clone())
             self._keys[int(key)] = st

@@ -26,7 +26,7 @@ from ..compress import Compressor, parse_compression
 from ..compress.base import ring_bytes
 from ..sync.item_window import as_count
 from ..sync.replicas import broadcast_tensors
-from ..transport import comm
+from ..transport import comm, host
 from ..transport.algorithms import hierarchical
 from ..transport.algorithms.topology import HostTopology
 
@@ -104,7 +104,7 @@ def sum_with_items(compressor: Compressor | None, key: int, shapes, flat: torch.
         pending.wait()
     header = ring_bytes(count.numel() * count.element_size(), world)
     exact = ring_bytes(flat.numel() * flat.element_size(), world)
-    return flat, float(count[0]), sent + header, exact + header
+    return flat, float(host.read(count)[0]), sent + header, exact + header
 
 
 def average_buffers(float_buffers: list[torch.Tensor], other_buffers: list[torch.Tensor],
@@ -121,7 +121,7 @@ def average_buffers(float_buffers: list[torch.Tensor], other_buffers: list[torch
                          + [torch.tensor([items], dtype=dtype, device=device)])
         comm.all_reduce(flat, group, tag="diloco-buffers")
         sent += ring_bytes(flat.numel() * flat.element_size(), world)
-        total = float(flat[-1])
+        total = float(host.read(flat[-1:])[0])
         if total > 0:
             offset = 0
             with torch.no_grad():
@@ -157,7 +157,7 @@ def mean_gradients(params: list[torch.Tensor], weight: float, items: float, grou
     pending = comm.all_reduce(count, group, async_op=True, tag="diloco-warmup-items")
     comm.all_reduce(flat, group, tag="diloco-warmup")
     pending.wait()
-    total = float(count[0])
+    total = float(host.read(count)[0])
     if total > 0:
         flat.div_(total)
     offset = 0

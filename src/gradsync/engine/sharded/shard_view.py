@@ -94,20 +94,31 @@ class ShardView:
         """Rebuild each piece's optimizer state from :meth:`flat_state`'s output
         (possibly re-cut from another world size's shards)."""
         present = flat.get(PRESENT)
+        groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         for t, s in zip(self.tensors, self.segments):
             optimizer.state.pop(t, None)
             lo, hi = s.shard_offset, s.shard_offset + s.numel
             if present is None or s.numel == 0 or not float(present[lo]):
                 continue
             state = {}
+            scalar_device = _scalar_state_device(t, groups.get(id(t), {}))
             for key, v in flat.items():
                 if key == PRESENT:
                     continue
                 if key in kinds:
                     kind = kinds[key]
                     value = float(v[lo])
-                    state[key] = (torch.tensor(value, dtype=kind) if isinstance(kind, torch.dtype)
-                                  else kind(value))
-                else:
-                    state[key] = v[lo:hi].clone()
+                    state[key] = (torch.tensor(value, dtype=kind, device=scalar_device)
+                                  if isinstance(kind, torch.dtype) else kind(value))
+                else:  # per-element state lives with its piece (a checkpoint loads on the host)
+                    state[key] = v[lo:hi].to(t.device, copy=True)
             optimizer.state[t] = state
+
+
+def _scalar_state_device(piece: torch.Tensor, group: dict) -> torch.device:
+    """Where torch's optimizers keep a 0-dim state such as Adam's ``step``: on the host,
+    unless the group is ``capturable`` or ``fused`` (then with the parameter), as
+    ``torch.optim.Optimizer.load_state_dict`` places it."""
+    if group.get("capturable") or group.get("fused"):
+        return piece.device
+    return torch.device("cpu")

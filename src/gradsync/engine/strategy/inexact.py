@@ -27,21 +27,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...dist import comm_device
 from ...errors import UsageError
 from ..compress.base import ring_bytes
 from ..local.streaming import StreamingDiLoCo
 from ..replicated.data_parallel import DataParallel
 from ..replicated.memory_report import MemoryReport, held, optimizer_bytes
 from ..sync.item_window import as_count
+from ..transport import comm, host
 from .base import Strategy
 from .delayed import DelayedUpdates
 from .exact import DataParallelStrategy
 
 
 def _gather_objects(obj) -> list:
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return comm.all_gather_object(obj, tag="per-rank-state")  # tensors travel via the host
 
 
 class _PerRankState:
@@ -69,7 +69,8 @@ class _PerRankState:
         if len(ranks) != dist.get_world_size():
             self.resume_on_new_world(len(ranks))
             return
-        self.load_per_rank_state(ranks[dist.get_rank()])
+        # a checkpoint loads on the host: this rank's state goes to the device first
+        self.load_per_rank_state(host.to_device(ranks[dist.get_rank()], comm_device()))
 
     def resume_on_new_world(self, was: int) -> None:
         pass

@@ -20,6 +20,7 @@ import math
 import torch
 
 from ...errors import UsageError
+from ..transport import host
 
 HEADER_SLOTS = 4  # items (high, low base-4096 digits), num_items passes, plain passes
 _DIGIT = 4096
@@ -96,7 +97,7 @@ class ItemWindow:
         Raises on every rank alike for a window that mixed both kinds of backward or
         whose global batch holds no items.
         """
-        hi, lo, item_passes, plain_passes = summed.tolist()
+        hi, lo, item_passes, plain_passes = host.read(summed).tolist()
         items = hi * _DIGIT + lo
         mine = (self.item_passes, self.plain_passes)
         self.reset()
@@ -120,7 +121,7 @@ def as_count(num_items) -> float:
         if num_items.numel() != 1:
             raise UsageError(
                 f"num_items must be a scalar, got a tensor of shape {tuple(num_items.shape)}")
-        num_items = num_items.item()
+        num_items = host.read(num_items).item()
     try:
         n = float(num_items)
     except (TypeError, ValueError):

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..transport import comm, fingerprint
+from ..transport import comm, fingerprint, host
 from ..transport.fingerprint import DesyncError
 from .desync_text import explain
 from .item_window import HEADER_SLOTS, ItemWindow
@@ -143,7 +143,7 @@ class CheckedWindow(ItemWindow):
     def close(self, summed: torch.Tensor, plain_divisor: float | None = None) -> float:
         sent, self._sent = self._sent, None
         if sent is not None and summed.numel() >= WINDOW_SLOTS:
-            slots = summed[HEADER_SLOTS:WINDOW_SLOTS].tolist()
+            slots = host.read(summed[HEADER_SLOTS:WINDOW_SLOTS]).tolist()
             world = self._world(sent["group"])
             if slots[0] > 0 and not fingerprint.agree(slots, world):
                 step = self.syncs + 1
@@ -170,11 +170,11 @@ def gather_objects(obj, group, device, world: int) -> list:
     data = pickle.dumps(obj)
     n = torch.tensor([len(data)], dtype=torch.int64, device=device)
     comm.all_reduce(n, group, op=dist.ReduceOp.MAX, tag="desync")
-    size = int(n.item())
+    size = int(host.read(n).item())
     buf = torch.zeros(size, dtype=torch.uint8)
     buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     buf = buf.to(device)
     out = torch.empty(size * world, dtype=torch.uint8, device=device)
     comm.all_gather_single(out, buf, group, tag="desync")
-    raw = out.cpu().numpy().tobytes()
+    raw = host.read(out).numpy().tobytes()
     return [pickle.loads(raw[i * size:(i + 1) * size]) for i in range(world)]

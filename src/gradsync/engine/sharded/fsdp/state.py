@@ -23,7 +23,7 @@ def full_state_dict(fsdp) -> dict:
     """The consolidated state dict with the original names (a collective: every rank)."""
     out = dict(fsdp.module.state_dict())
     for u in fsdp.units:
-        full = torch.empty(u.layout.padded, dtype=u.shard.dtype)
+        full = torch.empty(u.layout.padded, dtype=u.shard.dtype, device=u.shard.device)
         fsdp.comm.gather(full, u.shard, fsdp.rank, fsdp.shard_group,
                          tag=f"state{u.index}").wait()
         pieces = full[:u.layout.numel].split(list(u.layout.numels))

@@ -24,17 +24,18 @@ from .placeholder import ShardedParameter
 class FlatUnit:
     """One flat-sharded group of parameters and its gathered buffer."""
 
-    def __init__(self, index, module, params, slots, world, rank, dtype, names, unit_name):
+    def __init__(self, index, module, params, slots, world, rank, dtype, names, unit_name,
+                 device: torch.device):
         self.index, self.module, self.slots = index, module, slots  # slots: [(mod, attr, k)]
         self.shapes = [p.shape for p in params]
         self.layout = FlatShard(tuple(p.numel() for p in params), world)
         start, end = self.layout.shard_range(rank)
-        flat = torch.zeros(self.layout.padded, dtype=master_dtype(params[0].dtype))
+        flat = torch.zeros(self.layout.padded, dtype=master_dtype(params[0].dtype), device=device)
         torch.cat([p.detach().reshape(-1).to(flat.dtype) for p in params],
                   out=flat[:self.layout.numel])
         self.shard = flat[start:end].clone()  # this rank's master slice (flat)
         self.view = ShardView(self.shard, self.layout, rank, as_parameter=True)
-        self.full = torch.zeros(self.layout.padded, dtype=dtype, requires_grad=True)
+        self.full = torch.zeros(self.layout.padded, dtype=dtype, device=device, requires_grad=True)
         # what the module attributes hold while the unit is freed: never a view of freed
         # storage (reading one crashes); shape and dtype kept, computing with it an error
         self.freed = [ShardedParameter(s, dtype, n, unit_name)
@@ -90,7 +91,7 @@ class UnflattenParams(torch.autograd.Function):
             if g is not None:
                 u.joined[k] = True
         flat = torch.empty(u.layout.padded, dtype=grads[0].dtype if grads[0] is not None
-                           else u.full.dtype)
+                           else u.full.dtype, device=u.full.device)
         for piece, g in zip(u.views_of(flat), grads):
             if g is None:  # a parameter that took no part in this forward
                 piece.zero_()
@@ -101,12 +102,14 @@ class UnflattenParams(torch.autograd.Function):
 
 
 def build_units(module: nn.Module, wrap, world: int, rank: int,
-                param_dtype: torch.dtype | None) -> list[FlatUnit]:
+                param_dtype: torch.dtype | None, device: torch.device | None = None
+                ) -> list[FlatUnit]:
     """Choose units, assign every trainable parameter to one, replace them by attributes.
 
     ``wrap``: module classes (a class, set or tuple) or a predicate. A parameter used
     by two units (tied weights) goes to the root, which is gathered for the whole
-    forward. Units come in registration (pre-)order, the root first.
+    forward. Units come in registration (pre-)order, the root first. Every buffer
+    lives on ``device``, the communication device (default: the parameters').
     """
     ignored = ignored_names(module)
     if ignored:
@@ -139,6 +142,8 @@ def build_units(module: nn.Module, wrap, world: int, rank: int,
     for m, pids in per_unit.items():  # before any module is changed
         _check_one_dtype(module, m, [params[i] for i in pids])
     dtype = param_dtype
+    if device is None:
+        device = next((p.device for p in params.values()), torch.device("cpu"))
     qualified = {id(m): n for n, m in module.named_modules()}
     units = []
     for m in order:
@@ -151,7 +156,7 @@ def build_units(module: nn.Module, wrap, world: int, rank: int,
                  for i in pids]
         unit_name = f"unit {qualified[id(m)]!r}" if m is not module else "the root unit"
         units.append(FlatUnit(len(units), m, plist, us, world, rank,
-                              dtype or plist[0].dtype, names, unit_name))
+                              dtype or plist[0].dtype, names, unit_name, device))
         for mod, attr, k in us:
             del mod._parameters[attr]
             setattr(mod, attr, units[-1].freed[k])

@@ -119,7 +119,8 @@ class FullyShardedDataParallel(UnitHooks, SyncedModule):
             cast_buffers_(module, mixed_precision.param_dtype)
             cast_frozen_params_(module, mixed_precision.param_dtype)
         self._units = build_units(module, wrap, self.world, self.rank,
-                                  mixed_precision.param_dtype if mixed_precision else None)
+                                  mixed_precision.param_dtype if mixed_precision else None,
+                                  self._dev)
         verify_same_setup({"units (module, parameter sizes)": [
             (names[id(u.module)], u.layout.numels) for u in self._units],
             "mixed_precision": mixed_precision, "hybrid": self.topology is not None},
@@ -219,7 +220,8 @@ class FullyShardedDataParallel(UnitHooks, SyncedModule):
     def _sync_collect(self) -> Collected:
         for u in self._reducer.unseen():  # not reached in this backward: a zero contribution
             self._gatherer.free(u)
-            self._reducer.accept(u, torch.zeros(u.layout.padded, dtype=u.full.dtype),
+            self._reducer.accept(u, torch.zeros(u.layout.padded, dtype=u.full.dtype,
+                                                    device=u.full.device),
                                  self._syncing)
         self._reducer.finish()
         missing = [i for i, (u, k) in enumerate(self._slots) if not u.joined[k]]

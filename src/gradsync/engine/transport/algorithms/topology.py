@@ -28,9 +28,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ....dist import default_timeout_s
+from ....dist import comm_device, default_timeout_s
 from ....errors import UsageError
-from .. import comm
+from .. import comm, host
 
 
 class HostTopology:
@@ -89,14 +89,19 @@ class HostTopology:
             raise UsageError("HostTopology.from_env: GROUP_RANK and LOCAL_WORLD_SIZE must be "
                              "set (launch with torchrun or gs.spawn)") from None
         world = dist.get_world_size()
-        table = torch.empty(2 * world, dtype=torch.int64)
-        comm.all_gather_single(table, torch.tensor(mine, dtype=torch.int64), tag="topology")
-        hosts = table.view(world, 2)[:, 0].tolist()
-        sizes = set(table.view(world, 2)[:, 1].tolist())
+        dev = comm_device()  # NCCL moves device tensors only
+        everyone = torch.empty(2 * world, dtype=torch.int64, device=dev)
+        comm.all_gather_single(everyone, torch.tensor(mine, dtype=torch.int64, device=dev),
+                               tag="topology")
+        # the emulated accelerator moves no values: this rank's layout stands in for all
+        like_mine = [v for r in range(world) for v in (r // mine[1], mine[1])]
+        table = host.read(everyone, emulated=torch.tensor(like_mine)).view(world, 2)
+        hosts = table[:, 0].tolist()
+        sizes = set(table[:, 1].tolist())
         g = sizes.pop()
         if sizes or world % g:
             raise UsageError("HostTopology: hosts run different numbers of ranks "
-                             f"(LOCAL_WORLD_SIZE per rank: {table.view(world, 2)[:, 1].tolist()})")
+                             f"(LOCAL_WORLD_SIZE per rank: {table[:, 1].tolist()})")
         expected = [r // g for r in range(world)]
         if hosts != expected:
             raise UsageError(f"HostTopology: ranks of a host are not contiguous "
