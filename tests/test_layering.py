@@ -5,7 +5,7 @@ included: a lazy import hides a dependency, it does not remove it), each import
 is resolved to the module it names, and both ends are placed in an area of
 :data:`RANK`. An import is allowed when its target's rank is lower than the
 importer's, or when both lie in the same area. Areas of equal rank (``sharded``
-and ``local``; ``calibrate`` and ``checks``; ``netlab`` and ``train``) do not
+and ``local``; ``netlab`` and ``train``) do not
 import each other. A module in no area fails the test, so a new package has to
 be placed in the table before it lands.
 
@@ -39,10 +39,13 @@ RANK = {
     "engine.strategy": 3.6,
     # above the engine
     "plan": 4,
-    "calibrate": 5, "checks": 5,
+    "calibrate": 5,
     "observe": 6,
     "ft": 6.5,  # replica groups on torchft: above the engine and data, below train, its caller
     "netlab": 7, "train": 7,
+    # `gradsync verify`: the built-in exactness check, and the same check on the user's own
+    # model and data read exactly as `gradsync train` reads them (train's task), so above train
+    "checks": 7.5,
     "cli": 8, "__main__": 9,  # `python -m gradsync` runs the CLI
 }
 PLAN_MAY_IMPORT = {"gradsync.engine.buckets.plan"}

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..checks.exactness import _max_diff, uneven_shards
 from ..errors import UsageError
+from .exactness import _max_diff, uneven_shards
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,8 @@ def _forward(model, x):
 
 def _task(cfg: FactoryCheckConfig):
     """Model (float64, eval mode) and completed data, as ``gradsync train`` reads them."""
-    from .config import TrainConfig
-    from .task import build_task
+    from ..train.config import TrainConfig
+    from ..train.task import build_task
 
     tc = TrainConfig(model=cfg.model, data=cfg.data, seed=cfg.seed, out=".")
     task = build_task(tc)
