@@ -41,7 +41,8 @@ RANK = {
     "plan": 4,
     "calibrate": 5,
     "observe": 6,
-    "ft": 6.5,  # replica groups on torchft: above the engine and data, below train, its caller
+    "ft": 6.5,  # replica groups on torchft, and the loop's side of the quorum (it takes the
+    # worker's session as an object): above the engine and data, below train, its caller
     "netlab": 7, "train": 7,
     # `gradsync verify`: the built-in exactness check, and the same check on the user's own
     # model and data read exactly as `gradsync train` reads them (train's task), so above train

@@ -20,9 +20,9 @@ from ..engine.strategy.options import COLLECTIVES, SYNC_METHODS, SyncOptions
 from ..engine.strategy.registry import FIXED_BUCKETS, PRECISIONS, STRATEGIES
 from ..errors import UsageError
 from ..factory import is_factory_spec
+from ..ft.flags import check_ft
 from ..models import MODELS
 from .builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
-from .ft_flags import check_ft
 from .identity import parse_overrides
 from .mode_flags import check_mode_flags
 from .parts_flags import check_data_parts
@@ -196,7 +196,7 @@ class TrainConfig:
         parse_stragglers(self.straggler)
         self.log = check_log(self.log)  # unknown trackers, missing packages: refused now
         check_mode_flags(self)  # --sync-every without --sync diloco: refused, not ignored
-        check_ft(self)  # --ft-groups with what it cannot carry yet: refused (ft_flags.py)
+        check_ft(self)  # --ft-groups with what it cannot carry yet: refused (ft/flags.py)
         check_data_parts(self)  # --data-parts with what it cannot keep apart (parts_flags.py)
 
     def sync_options(self) -> SyncOptions:

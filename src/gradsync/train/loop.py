@@ -15,10 +15,10 @@ import contextlib
 import signal
 import time
 
+from ..ft.quorum_step import announce
 from .callbacks import Callbacks
 from .config import TrainConfig
 from .faults import FaultInjector
-from .ft_step import announce
 from .loader import given
 from .session import Session, setup
 from .state import save

@@ -23,6 +23,7 @@ from ..data.parted_sampler import PartedStepSampler, make_step_sampler
 from ..data.sampler import StepSampler
 from ..engine.strategy.base import Strategy
 from ..errors import UsageError
+from ..ft import quorum_step
 from ..rundir import (
     CHECKPOINT,
     CONFIG,
@@ -34,7 +35,7 @@ from ..rundir import (
     rewrite_metrics,
     write_json,
 )
-from . import ft_step, state
+from . import state
 from .checkpoint import read_header, remove_stale_temporaries
 from .config import TrainConfig
 from .faults import FaultInjector
@@ -94,7 +95,7 @@ class Session:
     items_per_step: int = 0
     balancer: ShareBalancer | None = None  # each step's split over the ranks (train/step.py)
     slowdown: Slowdown | None = None  # --straggler: this rank's emulated slowness
-    ft: object = None  # --ft-group: this rank's ReplicaGroup (ft/replica.py, ft_step.py)
+    ft: object = None  # --ft-group: this rank's ReplicaGroup (ft/replica.py, ft/quorum_step.py)
 
     @property
     def unit(self) -> str:
@@ -209,7 +210,7 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
                    sched,
                    faults, Instruments(cfg, rank, world, info.device), plan,
                    os.path.join(cfg.out, CHECKPOINT), started, lock=lock)
-    # across replica groups the quorum deals the batch (ft_step.py): no balancer's split
+    # across replica groups the quorum deals the batch (ft/quorum_step.py): no balancer's split
     sess.balancer = (ShareBalancer(world, world, 1, enabled=False) if cfg.ft_group >= 0 else
                      ShareBalancer(world, cfg.global_batch, accum, enabled=cfg.balanced))
     sess.slowdown = slowdown
@@ -219,7 +220,7 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
     if not sess.world_sizes or sess.world_sizes[-1] != world:
         sess.world_sizes.append(world)
     if cfg.ft_group >= 0:
-        sess.ft = ft_step.attach(sess)
+        sess.ft = quorum_step.attach(sess)
     if rank == 0:
         _open_rank0(sess)
     return sess

@@ -26,8 +26,8 @@ import torch
 
 from ..engine.transport import comm, tracing
 from ..errors import GradsyncError
+from ..ft import quorum_step
 from ..rundir import StepRecord
-from . import ft_step
 from .eval_metrics import metric_sums, metric_values
 from .session import Session
 
@@ -65,7 +65,7 @@ def _forward(model, x):
 def run_step(sess: Session, step: int) -> StepRecord | None:
     """Train step ``step`` (1-based); rank 0 also writes its metrics line.
 
-    Across replica groups (``sess.ft``, ``ft_step.py``) the step's samples are dealt
+    Across replica groups (``sess.ft``, ``ft/quorum_step.py``) the step's samples are dealt
     over the quorum and the gradient summed over it; None: the quorum did not
     commit (a group failed), nothing was updated and the sampler is back where it
     was, so the next quorum takes the same step on the same samples.
@@ -77,7 +77,7 @@ def run_step(sess: Session, step: int) -> StepRecord | None:
     before = sess.sampler.state_dict() if sess.ft else None
     block = sess.sampler.next_block()
     if sess.ft:
-        share, micro = ft_step.share(sess, block)
+        share, micro = quorum_step.share(sess, block)
     else:
         share = sess.balancer.split(block)[sess.rank]
         micro = sess.balancer.micro_batches(share)
@@ -99,7 +99,7 @@ def run_step(sess: Session, step: int) -> StepRecord | None:
         sess.slowdown.after_micro_batch(step)
     busy = sess.inst.busy_s(t0)
     with tracing.span("optimizer"):
-        sums = ft_step.reduce(sess, items, loss_sum) if sess.ft else None
+        sums = quorum_step.reduce(sess, items, loss_sum) if sess.ft else None
         norm = float(strategy.clip_grad_norm_(cfg.clip))
         stats = sess.inst.gather_stats(loss_sum, float(items), norm, len(share), busy)
         total_items = sums.items if sums else float(stats[:, 1].sum())
@@ -143,7 +143,7 @@ def run_step(sess: Session, step: int) -> StepRecord | None:
                      samples_per_s=cfg.global_batch / step_s,
                      tokens_per_s=rate if sess.unit == "tokens" else None,
                      balance_saved_s=saved, **figures,
-                     **(ft_step.record(sess, report) if sess.ft else report))
+                     **(quorum_step.record(sess, report) if sess.ft else report))
     if sess.baseline_rate:
         rec.scaling_efficiency = rec.samples_per_s / (sess.world * sess.baseline_rate)
     if sess.rank == 0:

@@ -49,9 +49,9 @@ from .. import dist as gdist
 from ..data.split import deal
 from ..engine.strategy.builders import outer_sgd
 from ..engine.strategy.inexact import HostModel, LocalUpdateStrategy
-from ..ft.outer_sync import GroupDiLoCo, GroupStreamingDiLoCo
-from ..ft.replica import ReplicaGroup, StepQuorum, lighthouse_address
-from ..ft.shares import even_counts, micro_split
+from .outer_sync import GroupDiLoCo, GroupStreamingDiLoCo
+from .replica import ReplicaGroup, StepQuorum, lighthouse_address
+from .shares import even_counts, micro_split
 
 
 def regroup(sess) -> LocalUpdateStrategy:

@@ -20,10 +20,10 @@ from __future__ import annotations
 import os
 
 from .. import dist as gdist
-from ..ft.cross_reduce import QuorumSums, cross_reduce
-from ..ft.replica import ReplicaGroup, lighthouse_address
-from ..ft.shares import micro_split, quorum_share
-from ..ft.transfer import load_local_state, local_state
+from .cross_reduce import QuorumSums, cross_reduce
+from .replica import ReplicaGroup, lighthouse_address
+from .shares import micro_split, quorum_share
+from .transfer import load_local_state, local_state
 
 BARRIER_ENV = "GRADSYNC_FT_BARRIER"  # set by the one-machine launcher (cli/train_groups.py)
 
@@ -33,7 +33,7 @@ def attach(sess) -> ReplicaGroup:
     (with ``--sync diloco``: every sync, ``ft_local.py``)."""
     cfg = sess.cfg
     if cfg.sync != "exact":
-        from .ft_local import attach_local
+        from .local_groups import attach_local
 
         return attach_local(sess, os.environ.get(BARRIER_ENV))
 
@@ -60,7 +60,7 @@ def attach(sess) -> ReplicaGroup:
 def share(sess, block: list[int]) -> tuple[list[int], list[list[int]]]:
     """This rank's samples of ``block`` in this step's quorum, and its micro-batches."""
     if getattr(sess.ft, "local", False):
-        from .ft_local import share as local_share
+        from .local_groups import share as local_share
 
         return local_share(sess, block)
     q = sess.ft.current
