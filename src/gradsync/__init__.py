@@ -60,7 +60,7 @@ _LAZY = {
     "DesyncError": "gradsync.engine.transport.fingerprint",
     "BusyClock": "gradsync.engine.transport.busy_clock",
     "train": "gradsync.train.api",
-    "TrainConfig": "gradsync.train.config",
+    "TrainConfig": "gradsync.train.config.train_config",
     "TrainData": "gradsync.train.task",
     "Callback": "gradsync.train.callbacks",
     "CallbackInfo": "gradsync.train.callbacks",

@@ -50,7 +50,7 @@ def test_memory_defaults_are_trains_fp32_and_its_optimizer(capsys):
 
 def test_precisions_and_auto_optimizer_are_trains():
     from gradsync.engine.strategy.registry import PRECISIONS as TRAIN_PRECISIONS
-    from gradsync.train.config import TrainConfig
+    from gradsync.train.config.train_config import TrainConfig
 
     assert PRECISIONS == TRAIN_PRECISIONS
     for model in ("gpt", "mlp", "tests.plan.factories:tiny_mlp"):

@@ -277,7 +277,7 @@ def test_unused_parameter_follows_the_applied_window():
 
 
 def test_flag_refused_without_compress():
-    from gradsync.train.config import TrainConfig
+    from gradsync.train.config.train_config import TrainConfig
 
     for kw in ({}, {"sync": "diloco", "compress": "int8"}):
         with pytest.raises(UsageError) as err:

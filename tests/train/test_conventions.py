@@ -25,8 +25,8 @@ import gradsync as gs
 from gradsync.cli import main
 from gradsync.errors import UsageError
 from gradsync.factory import load_factory
-from gradsync.train.config import TrainConfig
-from gradsync.train.flags import add_arguments, from_args
+from gradsync.train.config.flags import add_arguments, from_args
+from gradsync.train.config.train_config import TrainConfig
 from gradsync.train.guard import RunLock
 from gradsync.train.progress import RunDisplay
 from gradsync.train.task import TrainData, complete

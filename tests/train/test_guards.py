@@ -214,7 +214,7 @@ def _drift_with_nan(out: str):
     from torch import nn
 
     from gradsync.errors import ReplicaMismatchError
-    from gradsync.train.config import TrainConfig
+    from gradsync.train.config.train_config import TrainConfig
     from gradsync.train.instrument import Instruments
 
     cfg = TrainConfig(steps=4, drift_every=2, out=out)

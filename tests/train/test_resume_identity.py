@@ -17,7 +17,7 @@ from gradsync.errors import UsageError
 from gradsync.rundir import CHECKPOINT, METRICS, read_metrics
 from gradsync.train.api import preflight
 from gradsync.train.checkpoint import read_header
-from gradsync.train.config import TrainConfig
+from gradsync.train.config.train_config import TrainConfig
 from gradsync.train.schedule import finished_line, lr_factor
 from gradsync.train.state import decide
 

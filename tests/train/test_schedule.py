@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from gradsync.train.config import TrainConfig
-from gradsync.train.flags import add_arguments, from_args
+from gradsync.train.config.flags import add_arguments, from_args
+from gradsync.train.config.train_config import TrainConfig
 from gradsync.train.session import lr_factor
 
 

@@ -35,7 +35,7 @@ _PLAIN = ("NonFiniteError", "StorageError", "InjectedFault", "UnusedParametersEr
 
 
 def register(sub, help_line: str) -> argparse.ArgumentParser:
-    from ..train.flags import add_arguments
+    from ..train.config.flags import add_arguments
 
     p = sub.add_parser(
         "train",
@@ -166,8 +166,8 @@ def run(args) -> int:
 
         from ..rundir import METRICS
         from ..train.api import launch_workers, preflight, repair_summary, usage_error_of
+        from ..train.config.flags import from_args
         from ..train.faults import FaultInjector
-        from ..train.flags import from_args
         from ..train.instrument import write_report_safely
         from ..train.schedule import finished_line
 

@@ -20,8 +20,8 @@ import traceback
 from .. import dist as gdist
 from ..errors import GradsyncError, UsageError
 from ..heap import keep_freed_memory
+from .config.flags import add_arguments, from_args
 from .faults import FaultInjector
-from .flags import add_arguments, from_args
 from .loop import run_worker
 
 

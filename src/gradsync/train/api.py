@@ -31,11 +31,11 @@ from ..rundir import CHECKPOINT
 from . import state
 from .callbacks import check_callbacks
 from .checkpoint import read_header
-from .config import DATASETS, TrainConfig
+from .config.parts_flags import check_data_parts_world
+from .config.train_config import DATASETS, TrainConfig
 from .faults import FaultInjector
 from .guard import RunLock, check_run_dir
 from .loader import take_factories
-from .parts_flags import check_data_parts_world
 from .save_size import space_needed
 from .schedule import finished_line
 from .task import builtin_data

@@ -17,7 +17,7 @@ import time
 
 from ..ft.quorum_step import announce
 from .callbacks import Callbacks
-from .config import TrainConfig
+from .config.train_config import TrainConfig
 from .faults import FaultInjector
 from .loader import given
 from .session import Session, setup

@@ -37,12 +37,12 @@ from ..rundir import (
 )
 from . import state
 from .checkpoint import read_header, remove_stale_temporaries
-from .config import TrainConfig
+from .config.parts_flags import check_data_parts_world
+from .config.train_config import TrainConfig
 from .faults import FaultInjector
 from .guard import RunLock, check_run_dir
 from .instrument import Instruments, baseline_rate_of
 from .optim import build_with_optimizer
-from .parts_flags import check_data_parts_world
 from .progress import RunDisplay
 from .restarts import note_restart
 from .save_size import space_needed

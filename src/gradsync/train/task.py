@@ -44,7 +44,7 @@ from ..errors import UsageError
 from ..factory import factory_name, is_factory_spec, load_factory
 from ..models import build_model
 from .builtins import DATASETS, split_held_out
-from .config import TrainConfig
+from .config.train_config import TrainConfig
 from .conventions import IGNORE_INDEX, causal_lm_layout, labelled, shifted_lm_loss
 from .conventions import logits as _logits
 from .conventions import shifted_token_items as _shifted_token_items

@@ -15,21 +15,21 @@ import argparse
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..dist import BACKENDS
-from ..engine.strategy.options import COLLECTIVES, SYNC_METHODS, SyncOptions
-from ..engine.strategy.registry import FIXED_BUCKETS, PRECISIONS, STRATEGIES
-from ..errors import UsageError
-from ..factory import is_factory_spec
-from ..ft.flags import check_ft
-from ..models import MODELS
-from .builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
-from .identity import parse_overrides
+from ...dist import BACKENDS
+from ...engine.strategy.options import COLLECTIVES, SYNC_METHODS, SyncOptions
+from ...engine.strategy.registry import FIXED_BUCKETS, PRECISIONS, STRATEGIES
+from ...errors import UsageError
+from ...factory import is_factory_spec
+from ...ft.flags import check_ft
+from ...models import MODELS
+from ..builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
+from ..identity import parse_overrides
+from ..straggler import parse_stragglers
+from ..trackers import check_log
 from .mode_flags import check_mode_flags
 from .parts_flags import check_data_parts
 from .splits import continue_on
-from .straggler import parse_stragglers
 from .trace_flags import traced_steps
-from .trackers import check_log
 
 OPTIMIZER_CHOICES = ("auto", *OPTIMIZERS)
 RESUME_CHOICES = ("auto", "must", "never")

@@ -20,8 +20,8 @@ Checked before anything starts, each refusal one line naming the numbers or the 
 
 from __future__ import annotations
 
-from ..data.parted_sampler import check_parts
-from ..errors import UsageError
+from ...data.parted_sampler import check_parts
+from ...errors import UsageError
 
 
 def check_data_parts(cfg) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 
 def traced_steps(trace: bool, trace_steps: str, steps: int) -> tuple[int, int] | None:

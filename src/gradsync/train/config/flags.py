@@ -1,7 +1,7 @@
 """The command-line flags of TrainConfig: one flag per field, with the field's help text.
 
 Shared by ``gradsync train`` and ``torchrun -m gradsync.train`` (see
-:mod:`gradsync.train.config`).
+:mod:`gradsync.train.config.train_config`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from .config import TrainConfig
+from .train_config import TrainConfig
 
 HIDDEN_ALIASES = {"bucket_cap_mb": ["--bucket-mb"]}
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 _LOCAL = ("diloco", "streaming-diloco")
 OFF_VALUES = {"probe_every": 0, "compress_delay": 0}
