@@ -61,7 +61,7 @@ _LAZY = {
     "BusyClock": "gradsync.engine.transport.busy_clock",
     "train": "gradsync.train.api",
     "TrainConfig": "gradsync.train.config.train_config",
-    "TrainData": "gradsync.train.task",
+    "TrainData": "gradsync.train.task.build",
     "Callback": "gradsync.train.callbacks",
     "CallbackInfo": "gradsync.train.callbacks",
     "FaultInjector": "gradsync.train.faults",

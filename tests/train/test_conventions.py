@@ -29,7 +29,7 @@ from gradsync.train.config.flags import add_arguments, from_args
 from gradsync.train.config.train_config import TrainConfig
 from gradsync.train.guard import RunLock
 from gradsync.train.progress import RunDisplay
-from gradsync.train.task import TrainData, complete
+from gradsync.train.task.build import TrainData, complete
 
 V, H, S = 11, 8, 6  # vocabulary, hidden, sequence
 

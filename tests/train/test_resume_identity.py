@@ -18,8 +18,8 @@ from gradsync.rundir import CHECKPOINT, METRICS, read_metrics
 from gradsync.train.api import preflight
 from gradsync.train.checkpoint import read_header
 from gradsync.train.config.train_config import TrainConfig
-from gradsync.train.schedule import finished_line, lr_factor
 from gradsync.train.state import decide
+from gradsync.train.task.schedule import finished_line, lr_factor
 
 LR = 0.1
 BASE = dict(workers=1, global_batch=8, micro_batch=4, warmup=1, lr=LR, optimizer="adamw",

@@ -154,7 +154,7 @@ def test_a_parameter_on_the_meta_device_is_named(tmp_path):
     """Each worker builds its task first: the error names the parameter there, instead of
     torch's "Cannot copy out of meta tensor; no data!" when the strategy moves it."""
     import gradsync as gs
-    from gradsync.train.task import build_task
+    from gradsync.train.task.build import build_task
 
     cfg = gs.TrainConfig(workers=2, steps=2, global_batch=12, micro_batch=2, out=str(tmp_path),
                          optimizer="sgd", model="tests.train.test_write_paths:meta_model",

@@ -95,7 +95,7 @@ def _forward(model, x):
 def _task(cfg: FactoryCheckConfig):
     """Model (float64, eval mode) and completed data, as ``gradsync train`` reads them."""
     from ..train.config.train_config import TrainConfig
-    from ..train.task import build_task
+    from ..train.task.build import build_task
 
     tc = TrainConfig(model=cfg.model, data=cfg.data, seed=cfg.seed, out=".")
     task = build_task(tc)

@@ -169,7 +169,7 @@ def run(args) -> int:
         from ..train.config.flags import from_args
         from ..train.faults import FaultInjector
         from ..train.instrument import write_report_safely
-        from ..train.schedule import finished_line
+        from ..train.task.schedule import finished_line
 
     global _command_line
     argv = _command_line = list(getattr(args, "argv", None) or sys.argv[1:])

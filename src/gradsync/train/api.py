@@ -35,10 +35,10 @@ from .config.parts_flags import check_data_parts_world
 from .config.train_config import DATASETS, TrainConfig
 from .faults import FaultInjector
 from .guard import RunLock, check_run_dir
-from .loader import take_factories
 from .save_size import space_needed
-from .schedule import finished_line
-from .task import builtin_data
+from .task.build import builtin_data
+from .task.loader import take_factories
+from .task.schedule import finished_line
 
 ONE_LINE_ERRORS = ("UsageError", "CheckpointCorrupt", "CheckpointError")
 """Worker errors that are the user's to fix: the launcher says them in one line, exit 2."""

@@ -32,8 +32,8 @@ from __future__ import annotations
 import functools
 
 from ..errors import UsageError
-from .builtins import OPTIMIZERS
-from .schedule import past_plan_note
+from .task.builtins import OPTIMIZERS
+from .task.schedule import past_plan_note
 
 IDENTITY = ("lr", "warmup", "schedule", "schedule_steps", "optimizer", "weight_decay", "betas",
             "scheduler", "clip")

@@ -19,11 +19,11 @@ from ..ft.quorum_step import announce
 from .callbacks import Callbacks
 from .config.train_config import TrainConfig
 from .faults import FaultInjector
-from .loader import given
 from .session import Session, setup
 from .state import save
 from .step import run_step
 from .summary import finish
+from .task.loader import given
 
 
 def _between_steps(sess: Session, step: int) -> bool:

@@ -42,13 +42,13 @@ from .config.train_config import TrainConfig
 from .faults import FaultInjector
 from .guard import RunLock, check_run_dir
 from .instrument import Instruments, baseline_rate_of
-from .optim import build_with_optimizer
 from .progress import RunDisplay
 from .restarts import note_restart
 from .save_size import space_needed
-from .schedule import finished_line, lr_factor
 from .straggler import Slowdown
-from .task import Task, build_task
+from .task.build import Task, build_task
+from .task.optim import build_with_optimizer
+from .task.schedule import finished_line, lr_factor
 
 
 def _interrupt_on_sigterm() -> None:

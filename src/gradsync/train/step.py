@@ -28,8 +28,8 @@ from ..engine.transport import comm, tracing
 from ..errors import GradsyncError
 from ..ft import quorum_step
 from ..rundir import StepRecord
-from .eval_metrics import metric_sums, metric_values
 from .session import Session
+from .task.eval_metrics import metric_sums, metric_values
 
 
 class NonFiniteError(GradsyncError):

@@ -22,9 +22,9 @@ from ...errors import UsageError
 from ...factory import is_factory_spec
 from ...ft.flags import check_ft
 from ...models import MODELS
-from ..builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
 from ..identity import parse_overrides
 from ..straggler import parse_stragglers
+from ..task.builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
 from ..trackers import check_log
 from .mode_flags import check_mode_flags
 from .parts_flags import check_data_parts

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 CONTRACT = "{name: fn(output, target) -> (sum, count)}"
 

@@ -52,9 +52,9 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from ..engine.sharded.zero_shard import check_elementwise
-from ..engine.strategy.registry import FIXED_BUCKETS, build_strategy
-from ..errors import UsageError
+from ...engine.sharded.zero_shard import check_elementwise
+from ...engine.strategy.registry import FIXED_BUCKETS, build_strategy
+from ...errors import UsageError
 from .builtins import OPTIMIZERS
 from .loader import load_callable
 from .schedule import planned_steps

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import default_collate
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 IGNORE_INDEX = -100
 """A target that is not an item: F.cross_entropy's default ``ignore_index`` (padding)."""

@@ -21,8 +21,8 @@ import pickle
 import sys
 from collections.abc import Callable
 
-from ..errors import UsageError
-from ..factory import factory_name
+from ...errors import UsageError
+from ...factory import factory_name
 
 _GIVEN: dict[str, Callable] = {}
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.data import Dataset, Subset
 
-from ..data import TokenWindows, random_tokens, stdlib_tokens
+from ...data import TokenWindows, random_tokens, stdlib_tokens
 
 TEACHER_SAMPLES = 4096
 HELD_OUT = 128

@@ -40,11 +40,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..errors import UsageError
-from ..factory import factory_name, is_factory_spec, load_factory
-from ..models import build_model
+from ...errors import UsageError
+from ...factory import factory_name, is_factory_spec, load_factory
+from ...models import build_model
+from ..config.train_config import TrainConfig
 from .builtins import DATASETS, split_held_out
-from .config.train_config import TrainConfig
 from .conventions import IGNORE_INDEX, causal_lm_layout, labelled, shifted_lm_loss
 from .conventions import logits as _logits
 from .conventions import shifted_token_items as _shifted_token_items
