@@ -26,7 +26,7 @@ import torch
 
 import gradsync as gs
 from gradsync.cli import main as cli_main
-from gradsync.train.checkpoint import read_header
+from gradsync.train.checkpoint.format import read_header
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ["--model", "tests.train.factories:tiny32", "--data", "tests.train.factories:regression32",

@@ -23,9 +23,9 @@ import torch
 
 import gradsync as gs
 from gradsync.cli import main as cli_main
-from gradsync.train import guard
-from gradsync.train.checkpoint import verify
-from gradsync.train.guard import RunLock, check_run_dir
+from gradsync.train.checkpoint import guard
+from gradsync.train.checkpoint.format import verify
+from gradsync.train.checkpoint.guard import RunLock, check_run_dir
 from tests.cli_in_process import cli_here
 
 ROOT = Path(__file__).resolve().parents[2]

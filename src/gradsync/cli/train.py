@@ -93,7 +93,7 @@ def _where(cfg, failed: bool = False) -> str:
     """Where the run stands: the last complete checkpoint, if any (after a failure, the
     command continues once its cause is fixed: rerunning a model error repeats it)."""
     from ..rundir import CHECKPOINT
-    from ..train.checkpoint import read_header
+    from ..train.checkpoint.format import read_header
 
     ckpt = os.path.join(cfg.out, CHECKPOINT)
     try:

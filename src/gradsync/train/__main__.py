@@ -27,7 +27,7 @@ from .loop import run_worker
 
 def _continue_hint(out: str) -> str:
     from ..rundir import CHECKPOINT
-    from .checkpoint import read_header
+    from .checkpoint.format import read_header
 
     try:
         header = read_header(os.path.join(out, CHECKPOINT))  # verified, never "step None"

@@ -28,14 +28,14 @@ from .. import dist as gdist
 from ..errors import UsageError, WorkerFailedError
 from ..factory import check_factory, factory_name, is_factory_spec
 from ..rundir import CHECKPOINT
-from . import state
 from .callbacks import check_callbacks
-from .checkpoint import read_header
+from .checkpoint import state
+from .checkpoint.format import read_header
+from .checkpoint.guard import RunLock, check_run_dir
+from .checkpoint.size import space_needed
 from .config.parts_flags import check_data_parts_world
 from .config.train_config import DATASETS, TrainConfig
 from .faults import FaultInjector
-from .guard import RunLock, check_run_dir
-from .save_size import space_needed
 from .task.build import builtin_data
 from .task.loader import take_factories
 from .task.schedule import finished_line
@@ -109,8 +109,8 @@ def launch_workers(cfg: TrainConfig, model_fn=None, data_fn=None,
                    callbacks: list | None = None) -> dict | None:
     """Start ``cfg.workers`` local workers on a prepared run directory; rank 0's summary."""
     from ..launch import launch
+    from .checkpoint.restarts import record_pending
     from .loop import run_worker
-    from .restarts import record_pending
 
     # a collective that fails leaves each rank's flight record in the run directory,
     # where the launcher's hang report (and the user) find it; an explicit setting wins

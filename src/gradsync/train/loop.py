@@ -17,10 +17,10 @@ import time
 
 from ..ft.quorum_step import announce
 from .callbacks import Callbacks
+from .checkpoint.state import save
 from .config.train_config import TrainConfig
 from .faults import FaultInjector
 from .session import Session, setup
-from .state import save
 from .step import run_step
 from .summary import finish
 from .task.loader import given

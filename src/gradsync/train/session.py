@@ -35,16 +35,16 @@ from ..rundir import (
     rewrite_metrics,
     write_json,
 )
-from . import state
-from .checkpoint import read_header, remove_stale_temporaries
+from .checkpoint import state
+from .checkpoint.format import read_header, remove_stale_temporaries
+from .checkpoint.guard import RunLock, check_run_dir
+from .checkpoint.restarts import note_restart
+from .checkpoint.size import space_needed
 from .config.parts_flags import check_data_parts_world
 from .config.train_config import TrainConfig
 from .faults import FaultInjector
-from .guard import RunLock, check_run_dir
 from .instrument import Instruments, baseline_rate_of
 from .progress import RunDisplay
-from .restarts import note_restart
-from .save_size import space_needed
 from .straggler import Slowdown
 from .task.build import Task, build_task
 from .task.optim import build_with_optimizer

@@ -22,7 +22,7 @@ from ...errors import UsageError
 from ...factory import is_factory_spec
 from ...ft.flags import check_ft
 from ...models import MODELS
-from ..identity import parse_overrides
+from ..checkpoint.identity import parse_overrides
 from ..straggler import parse_stragglers
 from ..task.builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
 from ..trackers import check_log

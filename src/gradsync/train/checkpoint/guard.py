@@ -39,8 +39,8 @@ import shutil
 import socket
 import time
 
-from ..errors import UsageError
-from ..rundir import LOCK
+from ...errors import UsageError
+from ...rundir import LOCK
 
 
 def _size(n: float) -> str:

@@ -30,12 +30,12 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from ..errors import UsageError
-from ..factory import is_factory_spec, load_factory
-from ..models import MODELS, build_model
-from ..rundir import CHECKPOINT, TMP_PREFIX, write_bytes, write_json
-from .checkpoint import load_checkpoint, read_header
+from ...errors import UsageError
+from ...factory import is_factory_spec, load_factory
+from ...models import MODELS, build_model
+from ...rundir import CHECKPOINT, TMP_PREFIX, write_bytes, write_json
 from .export_weights import load_trained
+from .format import load_checkpoint, read_header
 
 FORMATS = ("safetensors", "torch", "hf")
 FILES = {"safetensors": "model.safetensors", "torch": "model.pt"}

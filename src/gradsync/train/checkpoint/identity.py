@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import functools
 
-from ..errors import UsageError
-from .task.builtins import OPTIMIZERS
-from .task.schedule import past_plan_note
+from ...errors import UsageError
+from ..task.builtins import OPTIMIZERS
+from ..task.schedule import past_plan_note
 
 IDENTITY = ("lr", "warmup", "schedule", "schedule_steps", "optimizer", "weight_decay", "betas",
             "scheduler", "clip")

@@ -26,8 +26,8 @@ import zlib
 
 import torch
 
-from ..errors import StorageError, UsageError
-from ..rundir import SHARDS, TMP_PREFIX
+from ...errors import StorageError, UsageError
+from ...rundir import SHARDS, TMP_PREFIX
 
 FORMAT = "gradsync-checkpoint"
 VERSION = 3  # 3: the unit record (run id, step, config digest, shard checksums)

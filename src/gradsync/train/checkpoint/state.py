@@ -36,13 +36,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import dist as gdist
-from ..data.sampler import StepSampler
-from ..engine.sharded.checkpoint import load_sharded, save_sharded
-from ..engine.transport import comm
-from ..errors import UsageError
-from ..rundir import SHARDS
-from .checkpoint import FORMAT, VERSION, atomic_save, load_checkpoint, storage_error
+from ... import dist as gdist
+from ...data.sampler import StepSampler
+from ...engine.sharded.checkpoint import load_sharded, save_sharded
+from ...engine.transport import comm
+from ...errors import UsageError
+from ...rundir import SHARDS
+from .format import FORMAT, VERSION, atomic_save, load_checkpoint, storage_error
 from .identity import check as check_identity
 from .identity import optimizer_of
 from .unit import config_digest, identity, new_run_id, shard_record

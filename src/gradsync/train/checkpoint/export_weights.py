@@ -27,8 +27,8 @@ import os
 import torch
 from torch import nn
 
-from ..errors import UsageError
-from .checkpoint import CheckpointCorrupt
+from ...errors import UsageError
+from .format import CheckpointCorrupt
 from .unit import MANIFEST
 
 

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.local.fragments import split_parameters
-from ..factory import is_factory_spec, load_factory
-from ..models import build_model
-from ..rundir import CHECKPOINT, SHARDS
-from .config.train_config import TrainConfig
+from ...engine.local.fragments import split_parameters
+from ...factory import is_factory_spec, load_factory
+from ...models import build_model
+from ...rundir import CHECKPOINT, SHARDS
+from ..config.train_config import TrainConfig
 
 PER_TENSOR = 330
 """Bytes a tensor costs in a torch.save zip beyond its data: its zip entry (local and

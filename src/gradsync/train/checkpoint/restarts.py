@@ -17,8 +17,8 @@ import contextlib
 import os
 import time
 
-from .. import dist as gdist
-from ..rundir import read_json, write_json
+from ... import dist as gdist
+from ...rundir import read_json, write_json
 
 PENDING = "restart.json"  # written by the launcher between attempts, consumed by rank 0
 

@@ -29,7 +29,7 @@ import uuid
 
 import torch
 
-from .checkpoint import FORMAT, VERSION, CheckpointCorrupt, verify
+from .format import FORMAT, VERSION, CheckpointCorrupt, verify
 
 MANIFEST = "manifest.json"
 HEADER_KEYS = ("format", "version", "step", "world_size", "config", "loss", "steps",
