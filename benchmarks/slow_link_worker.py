@@ -59,7 +59,7 @@ from gradsync.engine.compress.base import ring_bytes
 from gradsync.engine.replicated.memory_report import MemoryReport, optimizer_bytes
 from gradsync.engine.strategy.base import Strategy
 from gradsync.engine.strategy.registry import STRATEGIES, register_strategy
-from gradsync.train.callbacks import Callback
+from gradsync.train.records.callbacks import Callback
 from gradsync.train.task.build import TrainData
 
 MLP_DEPTH, MLP_WIDTH = 4, 1024

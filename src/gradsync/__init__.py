@@ -62,8 +62,8 @@ _LAZY = {
     "train": "gradsync.train.api",
     "TrainConfig": "gradsync.train.config.train_config",
     "TrainData": "gradsync.train.task.build",
-    "Callback": "gradsync.train.callbacks",
-    "CallbackInfo": "gradsync.train.callbacks",
+    "Callback": "gradsync.train.records.callbacks",
+    "CallbackInfo": "gradsync.train.records.callbacks",
     "FaultInjector": "gradsync.train.faults",
 }
 

@@ -28,7 +28,7 @@ from gradsync.factory import load_factory
 from gradsync.train.checkpoint.guard import RunLock
 from gradsync.train.config.flags import add_arguments, from_args
 from gradsync.train.config.train_config import TrainConfig
-from gradsync.train.progress import RunDisplay
+from gradsync.train.records.progress import RunDisplay
 from gradsync.train.task.build import TrainData, complete
 
 V, H, S = 11, 8, 6  # vocabulary, hidden, sequence

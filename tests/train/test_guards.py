@@ -215,7 +215,7 @@ def _drift_with_nan(out: str):
 
     from gradsync.errors import ReplicaMismatchError
     from gradsync.train.config.train_config import TrainConfig
-    from gradsync.train.instrument import Instruments
+    from gradsync.train.records.instrument import Instruments
 
     cfg = TrainConfig(steps=4, drift_every=2, out=out)
     inst = Instruments(cfg, gs.rank(), gs.world_size(), torch.device("cpu"))

@@ -25,7 +25,7 @@ from torch import nn
 import gradsync as gs
 from gradsync.errors import UsageError
 from gradsync.rundir import METRICS, read_metrics
-from gradsync.train.callbacks import check_callbacks
+from gradsync.train.records.callbacks import check_callbacks
 from gradsync.train.task.eval_metrics import check_metrics, metric_sums
 from gradsync.train.task.loader import load_callable, take_factories
 from gradsync.train.task.optim import FactoryOptimizer, own_scheduler, split_decay

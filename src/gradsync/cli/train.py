@@ -168,7 +168,7 @@ def run(args) -> int:
         from ..train.api import launch_workers, preflight, repair_summary, usage_error_of
         from ..train.config.flags import from_args
         from ..train.faults import FaultInjector
-        from ..train.instrument import write_report_safely
+        from ..train.records.instrument import write_report_safely
         from ..train.task.schedule import finished_line
 
     global _command_line

@@ -28,7 +28,6 @@ from .. import dist as gdist
 from ..errors import UsageError, WorkerFailedError
 from ..factory import check_factory, factory_name, is_factory_spec
 from ..rundir import CHECKPOINT
-from .callbacks import check_callbacks
 from .checkpoint import state
 from .checkpoint.format import read_header
 from .checkpoint.guard import RunLock, check_run_dir
@@ -36,6 +35,7 @@ from .checkpoint.size import space_needed
 from .config.parts_flags import check_data_parts_world
 from .config.train_config import DATASETS, TrainConfig
 from .faults import FaultInjector
+from .records.callbacks import check_callbacks
 from .task.build import builtin_data
 from .task.loader import take_factories
 from .task.schedule import finished_line

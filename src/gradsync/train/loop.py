@@ -16,13 +16,13 @@ import signal
 import time
 
 from ..ft.quorum_step import announce
-from .callbacks import Callbacks
 from .checkpoint.state import save
 from .config.train_config import TrainConfig
 from .faults import FaultInjector
+from .records.callbacks import Callbacks
+from .records.summary import finish
 from .session import Session, setup
 from .step import run_step
-from .summary import finish
 from .task.loader import given
 
 

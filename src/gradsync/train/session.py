@@ -43,8 +43,8 @@ from .checkpoint.size import space_needed
 from .config.parts_flags import check_data_parts_world
 from .config.train_config import TrainConfig
 from .faults import FaultInjector
-from .instrument import Instruments, baseline_rate_of
-from .progress import RunDisplay
+from .records.instrument import Instruments, baseline_rate_of
+from .records.progress import RunDisplay
 from .straggler import Slowdown
 from .task.build import Task, build_task
 from .task.optim import build_with_optimizer
@@ -252,7 +252,7 @@ def _open_rank0(sess: Session) -> None:
         for note in plan.notes:  # the schedule past its plan, the overrides applied
             sess.display.say(f"gradsync train: {note}")
     if cfg.log:  # --log: the same records through each tracker too (train/trackers/)
-        from .trackers.fanout import open_trackers
+        from .records.trackers.fanout import open_trackers
 
         sess.writer = open_trackers(sess.writer, {**cfg.to_dict(), "world_size": sess.world,
                                                   "optimizer": cfg.optimizer_name},

@@ -23,9 +23,9 @@ from ...factory import is_factory_spec
 from ...ft.flags import check_ft
 from ...models import MODELS
 from ..checkpoint.identity import parse_overrides
+from ..records.trackers import check_log
 from ..straggler import parse_stragglers
 from ..task.builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
-from ..trackers import check_log
 from .mode_flags import check_mode_flags
 from .parts_flags import check_data_parts
 from .splits import continue_on

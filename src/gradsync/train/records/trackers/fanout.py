@@ -16,8 +16,8 @@ from __future__ import annotations
 import importlib
 import os
 
-from ...errors import StorageError
-from ...rundir import METRICS, TRACKERS, read_json, read_metrics, write_json
+from ....errors import StorageError
+from ....rundir import METRICS, TRACKERS, read_json, read_metrics, write_json
 from . import parse_log
 from .base import Start, Tracker, scalars
 

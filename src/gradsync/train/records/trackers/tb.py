@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from ...rundir import TENSORBOARD_DIR
+from ....rundir import TENSORBOARD_DIR
 from .base import Start, Tracker
 
 

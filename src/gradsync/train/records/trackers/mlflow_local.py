@@ -20,7 +20,7 @@ import os
 import pathlib
 import time
 
-from ...rundir import MLFLOW_DIR
+from ....rundir import MLFLOW_DIR
 from .base import Start, Tracker
 
 MAX_PARAM = 500  # characters of a flag's value kept as a parameter

@@ -15,7 +15,7 @@ import io
 import os
 from dataclasses import fields
 
-from ...rundir import METRICS, METRICS_CSV, StepRecord, read_metrics, write_text
+from ....rundir import METRICS, METRICS_CSV, StepRecord, read_metrics, write_text
 from .base import SKIP_KEYS, Start, Tracker, scalars
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from ...errors import UsageError
+from ....errors import UsageError
 
 # name -> (the module that must be importable, the pip package that brings it)
 TRACKERS: dict[str, tuple[str | None, str | None]] = {

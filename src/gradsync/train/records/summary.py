@@ -6,12 +6,12 @@ import dataclasses
 import os
 import time
 
-from ..engine.strategy.inexact import LocalUpdateStrategy
-from ..ft.quorum_step import ft_figures, ft_line
-from ..observe.traffic import run_traffic, traffic_line
-from ..rundir import METRICS, SUMMARY, Summary, read_metrics, sync_description, write_json
+from ...engine.strategy.inexact import LocalUpdateStrategy
+from ...ft.quorum_step import ft_figures, ft_line
+from ...observe.traffic import run_traffic, traffic_line
+from ...rundir import METRICS, SUMMARY, Summary, read_metrics, sync_description, write_json
+from ..session import Session
 from .instrument import drift_line, write_report_safely
-from .session import Session
 
 
 def _median(values: list[float]) -> float | None:

@@ -34,8 +34,8 @@ import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from ..errors import UsageError
-from ..rundir import CHECKPOINT
+from ...errors import UsageError
+from ...rundir import CHECKPOINT
 
 HOOKS = ("on_step_end", "on_eval", "on_checkpoint")
 

@@ -22,16 +22,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..engine.local.streaming import StreamingDiLoCo
-from ..engine.strategy.inexact import LocalUpdateStrategy
-from ..engine.sync.drift import check_replicas
-from ..engine.transport import comm
-from ..engine.transport.tracing import Tracer
-from ..errors import ReplicaMismatchError
-from ..observe.chrome import rank_payload, write_trace
-from ..observe.metrics import StepMeter, peak_memory_bytes
-from ..rundir import BASELINE, DRIFT, PLAN, SUMMARY, TRACE, read_json, write_json
-from .config.train_config import TrainConfig
+from ...engine.local.streaming import StreamingDiLoCo
+from ...engine.strategy.inexact import LocalUpdateStrategy
+from ...engine.sync.drift import check_replicas
+from ...engine.transport import comm
+from ...engine.transport.tracing import Tracer
+from ...errors import ReplicaMismatchError
+from ...observe.chrome import rank_payload, write_trace
+from ...observe.metrics import StepMeter, peak_memory_bytes
+from ...rundir import BASELINE, DRIFT, PLAN, SUMMARY, TRACE, read_json, write_json
+from ..config.train_config import TrainConfig
 
 STATS = ("loss_sum", "items", "grad_norm", "exposed_s", "bytes", "peak_memory", "samples",
          "busy_s")
@@ -209,7 +209,7 @@ def baseline_rate_of(cfg: TrainConfig) -> float | None:
 def write_report_safely(out: str) -> None:
     """The report is a convenience: a failure to draw it must not fail the run."""
     try:
-        from ..observe.report import write_report
+        from ...observe.report import write_report
 
         result = write_report(out)
         print(f"report: {result.html}", flush=True)
