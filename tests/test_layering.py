@@ -54,7 +54,8 @@ ROOT = "gradsync"  # the package root: the public, lazy API
 
 
 def area(module: str) -> str | None:
-    """``gradsync.engine.sync.core`` -> ``engine.sync``; ``gradsync.train.loop`` -> ``train``."""
+    """``gradsync.engine.sync.core`` -> ``engine.sync``; ``gradsync.train.worker.loop``
+    -> ``train``."""
     parts = module.split(".")[1:]
     if not parts:
         return ROOT

@@ -15,10 +15,10 @@ import pytest
 import gradsync as gs
 from gradsync.errors import UsageError
 from gradsync.rundir import CHECKPOINT, METRICS, read_metrics
-from gradsync.train.api import preflight
 from gradsync.train.checkpoint.format import read_header
 from gradsync.train.checkpoint.state import decide
 from gradsync.train.config.train_config import TrainConfig
+from gradsync.train.launcher.api import preflight
 from gradsync.train.task.schedule import finished_line, lr_factor
 
 LR = 0.1

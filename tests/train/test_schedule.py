@@ -7,7 +7,7 @@ import pytest
 
 from gradsync.train.config.flags import add_arguments, from_args
 from gradsync.train.config.train_config import TrainConfig
-from gradsync.train.session import lr_factor
+from gradsync.train.task.schedule import lr_factor
 
 
 def _parse(*argv):

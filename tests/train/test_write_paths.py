@@ -167,9 +167,9 @@ def test_a_parameter_on_the_meta_device_is_named(tmp_path):
 
 def test_diloco_on_another_number_of_workers_gives_the_command(tmp_path, capsys, monkeypatch):
     """Refused before any worker starts, with the command that continues the run."""
-    from gradsync.train import api
     from gradsync.train.checkpoint import state
     from gradsync.train.checkpoint.guard import RunLock
+    from gradsync.train.launcher import api
 
     out = tmp_path / "run"
     lock = RunLock(str(out), created=True)

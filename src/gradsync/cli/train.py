@@ -128,7 +128,7 @@ def baseline_config(cfg):
 
 def _run_baseline(cfg, model_fn=None, data_fn=None) -> None:
     from ..launch import launch
-    from ..train.loop import run_worker
+    from ..train.worker.loop import run_worker
 
     bcfg = baseline_config(cfg)
     if os.path.exists(os.path.join(bcfg.out, "summary.json")):
@@ -165,11 +165,11 @@ def run(args) -> int:
         from torch.distributed.elastic.multiprocessing import SignalException
 
         from ..rundir import METRICS
-        from ..train.api import launch_workers, preflight, repair_summary, usage_error_of
         from ..train.config.flags import from_args
-        from ..train.faults import FaultInjector
+        from ..train.launcher.api import launch_workers, preflight, repair_summary, usage_error_of
         from ..train.records.instrument import write_report_safely
         from ..train.task.schedule import finished_line
+        from ..train.worker.faults import FaultInjector
 
     global _command_line
     argv = _command_line = list(getattr(args, "argv", None) or sys.argv[1:])

@@ -1,6 +1,6 @@
 """The training loop behind `gradsync train`; calling this package runs it.
 
-``gradsync.train(config, model, data)`` is :func:`gradsync.train.api.train`. The
+``gradsync.train(config, model, data)`` is :func:`gradsync.train.launcher.api.train`. The
 name is both this package and that function: importing the package makes
 ``gradsync.train`` refer to it, so the package itself is made callable and
 forwards to the function (and stays cheap to import: nothing is loaded until
@@ -13,7 +13,7 @@ import types
 
 class _CallablePackage(types.ModuleType):
     def __call__(self, *args, **kwargs):
-        from .api import train
+        from .launcher.api import train
 
         return train(*args, **kwargs)
 

@@ -21,8 +21,8 @@ from .. import dist as gdist
 from ..errors import GradsyncError, UsageError
 from ..heap import keep_freed_memory
 from .config.flags import add_arguments, from_args
-from .faults import FaultInjector
-from .loop import run_worker
+from .worker.faults import FaultInjector
+from .worker.loop import run_worker
 
 
 def _continue_hint(out: str) -> str:

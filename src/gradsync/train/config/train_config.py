@@ -24,7 +24,7 @@ from ...ft.flags import check_ft
 from ...models import MODELS
 from ..checkpoint.identity import parse_overrides
 from ..records.trackers import check_log
-from ..straggler import parse_stragglers
+from ..step.straggler import parse_stragglers
 from ..task.builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
 from .mode_flags import check_mode_flags
 from .parts_flags import check_data_parts

@@ -10,7 +10,7 @@ from ...engine.strategy.inexact import LocalUpdateStrategy
 from ...ft.quorum_step import ft_figures, ft_line
 from ...observe.traffic import run_traffic, traffic_line
 from ...rundir import METRICS, SUMMARY, Summary, read_metrics, sync_description, write_json
-from ..session import Session
+from ..worker.setup import Session
 from .instrument import drift_line, write_report_safely
 
 

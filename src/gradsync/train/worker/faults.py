@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 FAULT_ENV = "GRADSYNC_FAULT"
 KINDS = ("raise", "exit", "kill", "perturb", "nan", "kill-in-save", "kill-in-heal", "stop",

@@ -15,15 +15,15 @@ import contextlib
 import signal
 import time
 
-from ..ft.quorum_step import announce
-from .checkpoint.state import save
-from .config.train_config import TrainConfig
+from ...ft.quorum_step import announce
+from ..checkpoint.state import save
+from ..config.train_config import TrainConfig
+from ..records.callbacks import Callbacks
+from ..records.summary import finish
+from ..step.train_step import run_step
+from ..task.loader import given
 from .faults import FaultInjector
-from .records.callbacks import Callbacks
-from .records.summary import finish
-from .session import Session, setup
-from .step import run_step
-from .task.loader import given
+from .setup import Session, setup
 
 
 def _between_steps(sess: Session, step: int) -> bool:

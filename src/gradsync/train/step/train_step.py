@@ -24,12 +24,12 @@ from collections.abc import Mapping
 
 import torch
 
-from ..engine.transport import comm, tracing
-from ..errors import GradsyncError
-from ..ft import quorum_step
-from ..rundir import StepRecord
-from .session import Session
-from .task.eval_metrics import metric_sums, metric_values
+from ...engine.transport import comm, tracing
+from ...errors import GradsyncError
+from ...ft import quorum_step
+from ...rundir import StepRecord
+from ..task.eval_metrics import metric_sums, metric_values
+from ..worker.setup import Session
 
 
 class NonFiniteError(GradsyncError):

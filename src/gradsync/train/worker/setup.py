@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import dist as gdist
-from ..data.balance import ShareBalancer
-from ..data.parted_sampler import PartedStepSampler, make_step_sampler
-from ..data.sampler import StepSampler
-from ..engine.strategy.base import Strategy
-from ..errors import UsageError
-from ..ft import quorum_step
-from ..rundir import (
+from ... import dist as gdist
+from ...data.balance import ShareBalancer
+from ...data.parted_sampler import PartedStepSampler, make_step_sampler
+from ...data.sampler import StepSampler
+from ...engine.strategy.base import Strategy
+from ...errors import UsageError
+from ...ft import quorum_step
+from ...rundir import (
     CHECKPOINT,
     CONFIG,
     DRIFT,
@@ -35,20 +35,20 @@ from ..rundir import (
     rewrite_metrics,
     write_json,
 )
-from .checkpoint import state
-from .checkpoint.format import read_header, remove_stale_temporaries
-from .checkpoint.guard import RunLock, check_run_dir
-from .checkpoint.restarts import note_restart
-from .checkpoint.size import space_needed
-from .config.parts_flags import check_data_parts_world
-from .config.train_config import TrainConfig
+from ..checkpoint import state
+from ..checkpoint.format import read_header, remove_stale_temporaries
+from ..checkpoint.guard import RunLock, check_run_dir
+from ..checkpoint.restarts import note_restart
+from ..checkpoint.size import space_needed
+from ..config.parts_flags import check_data_parts_world
+from ..config.train_config import TrainConfig
+from ..records.instrument import Instruments, baseline_rate_of
+from ..records.progress import RunDisplay
+from ..step.straggler import Slowdown
+from ..task.build import Task, build_task
+from ..task.optim import build_with_optimizer
+from ..task.schedule import finished_line, lr_factor
 from .faults import FaultInjector
-from .records.instrument import Instruments, baseline_rate_of
-from .records.progress import RunDisplay
-from .straggler import Slowdown
-from .task.build import Task, build_task
-from .task.optim import build_with_optimizer
-from .task.schedule import finished_line, lr_factor
 
 
 def _interrupt_on_sigterm() -> None:
@@ -191,7 +191,7 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
         if rank == 0:
             print(finished_line(cfg, plan.step, plan.schedule_steps), flush=True)
             if not prepared:
-                from .api import repair_summary
+                from ..launcher.api import repair_summary
 
                 repair_summary(cfg.out)
             if lock:
@@ -252,7 +252,7 @@ def _open_rank0(sess: Session) -> None:
         for note in plan.notes:  # the schedule past its plan, the overrides applied
             sess.display.say(f"gradsync train: {note}")
     if cfg.log:  # --log: the same records through each tracker too (train/trackers/)
-        from .records.trackers.fanout import open_trackers
+        from ..records.trackers.fanout import open_trackers
 
         sess.writer = open_trackers(sess.writer, {**cfg.to_dict(), "world_size": sess.world,
                                                   "optimizer": cfg.optimizer_name},

@@ -18,8 +18,8 @@ import re
 import time
 from dataclasses import dataclass
 
-from ..engine.transport.busy_clock import BusyClock
-from ..errors import UsageError
+from ...engine.transport.busy_clock import BusyClock
+from ...errors import UsageError
 
 _ONE = re.compile(r"^\s*(\d+)\s*:\s*([0-9.eE+-]+)\s*(?:@\s*(\d+))?\s*$")
 
