@@ -93,11 +93,11 @@ def _where(cfg, failed: bool = False) -> str:
     """Where the run stands: the last complete checkpoint, if any (after a failure, the
     command continues once its cause is fixed: rerunning a model error repeats it)."""
     from ..rundir import CHECKPOINT
-    from ..train.checkpoint.format import read_header
+    from ..train.checkpoint.unit import read_unit
 
     ckpt = os.path.join(cfg.out, CHECKPOINT)
     try:
-        header = read_header(ckpt)  # verified: a damaged one is not offered as a step
+        header = read_unit(ckpt)  # verified: a damaged one is not offered as a step
     except UsageError as e:
         return f"no usable checkpoint to continue from: {e}"
     fixed = "once the cause is fixed, " if failed else ""

@@ -27,10 +27,10 @@ from .worker.loop import run_worker
 
 def _continue_hint(out: str) -> str:
     from ..rundir import CHECKPOINT
-    from .checkpoint.format import read_header
+    from .checkpoint.unit import read_unit
 
     try:
-        header = read_header(os.path.join(out, CHECKPOINT))  # verified, never "step None"
+        header = read_unit(os.path.join(out, CHECKPOINT))  # verified, never "step None"
     except UsageError as e:
         return f"gradsync.train: no usable checkpoint to continue from: {e}"
     where = f"from step {header['step']}" if header else "from the start (no checkpoint yet)"

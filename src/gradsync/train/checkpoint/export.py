@@ -35,7 +35,8 @@ from ...factory import is_factory_spec, load_factory
 from ...models import MODELS, build_model
 from ...rundir import CHECKPOINT, TMP_PREFIX, write_bytes, write_json
 from .export_weights import load_trained
-from .format import load_checkpoint, read_header
+from .format import load_checkpoint
+from .unit import read_unit
 
 FORMATS = ("safetensors", "torch", "hf")
 FILES = {"safetensors": "model.safetensors", "torch": "model.pt"}
@@ -119,7 +120,7 @@ def export_run(run_dir: str, fmt: str, dest: str, model: str | None = None) -> E
     path = os.path.join(run_dir, CHECKPOINT)
     if not os.path.isdir(run_dir):
         raise UsageError(f"{run_dir} is not a run directory")
-    header = read_header(path)  # every byte of the unit verified, or one line saying why not
+    header = read_unit(path)  # every byte of the unit verified, or one line saying why not
     if header is None:
         raise UsageError(f"{run_dir} holds no checkpoint ({CHECKPOINT}): nothing to export")
     state = load_checkpoint(path, verified=False)

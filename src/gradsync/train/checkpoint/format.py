@@ -181,11 +181,3 @@ def load_checkpoint(path: str, verified: bool = True) -> dict:
                                 "it may be truncated or from another program") from None
     return state
 
-
-def read_header(path: str) -> dict | None:
-    """The small fields of a checkpoint (step, world size, config, run id), believed only
-    after the whole unit -- this file and its shard directory -- is verified
-    (``train/unit.py``); None if there is no checkpoint."""
-    from .unit import read_unit  # the unit's checks build on this module's
-
-    return read_unit(path)

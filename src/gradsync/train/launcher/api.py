@@ -29,9 +29,9 @@ from ...errors import UsageError, WorkerFailedError
 from ...factory import check_factory, factory_name, is_factory_spec
 from ...rundir import CHECKPOINT
 from ..checkpoint import state
-from ..checkpoint.format import read_header
 from ..checkpoint.guard import RunLock, check_run_dir
 from ..checkpoint.size import space_needed
+from ..checkpoint.unit import read_unit
 from ..config.parts_flags import check_data_parts_world
 from ..config.train_config import DATASETS, TrainConfig
 from ..records.callbacks import check_callbacks
@@ -83,7 +83,7 @@ def preflight(cfg: TrainConfig, model_fn=None) -> tuple[state.ResumePlan, RunLoc
     lock = RunLock(cfg.out, created=created).acquire()
     try:
         path = os.path.join(cfg.out, CHECKPOINT)
-        plan = state.decide(cfg, read_header(path))  # verified: the whole unit, every byte
+        plan = state.decide(cfg, read_unit(path))  # verified: the whole unit, every byte
         if not split:  # on resume: the worker counts and micro-batches that carry it
             cfg.accumulation(cfg.workers, resuming=plan.action != "fresh")
     except BaseException:

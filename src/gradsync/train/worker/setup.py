@@ -36,10 +36,11 @@ from ...rundir import (
     write_json,
 )
 from ..checkpoint import state
-from ..checkpoint.format import read_header, remove_stale_temporaries
+from ..checkpoint.format import remove_stale_temporaries
 from ..checkpoint.guard import RunLock, check_run_dir
 from ..checkpoint.restarts import note_restart
 from ..checkpoint.size import space_needed
+from ..checkpoint.unit import read_unit
 from ..config.parts_flags import check_data_parts_world
 from ..config.train_config import TrainConfig
 from ..records.instrument import Instruments, baseline_rate_of
@@ -125,7 +126,7 @@ def _prepare_run_dir(cfg: TrainConfig, prepared: bool, need: int | None):
     try:
         remove_stale_temporaries(cfg.out)
         path = os.path.join(cfg.out, CHECKPOINT)
-        plan = state.decide(cfg, read_header(path))  # every byte verified before any is used
+        plan = state.decide(cfg, read_unit(path))  # every byte verified before any is used
     except BaseException:
         if lock:
             lock.release()
