@@ -30,15 +30,19 @@ from ...factory import check_factory, factory_name, is_factory_spec
 from ...rundir import CHECKPOINT
 from ..checkpoint import state
 from ..checkpoint.guard import RunLock, check_run_dir
+from ..checkpoint.restarts import record_pending
 from ..checkpoint.size import space_needed
 from ..checkpoint.unit import read_unit
 from ..config.parts_flags import check_data_parts_world
-from ..config.train_config import DATASETS, TrainConfig
+from ..config.train_config import TrainConfig
 from ..records.callbacks import check_callbacks
+from ..records.summary import repair_summary
 from ..task.build import builtin_data
+from ..task.builtins import DATASETS
 from ..task.loader import take_factories
 from ..task.schedule import finished_line
 from ..worker.faults import FaultInjector
+from ..worker.loop import run_worker
 
 ONE_LINE_ERRORS = ("UsageError", "CheckpointCorrupt", "CheckpointError")
 """Worker errors that are the user's to fix: the launcher says them in one line, exit 2."""
@@ -92,15 +96,6 @@ def preflight(cfg: TrainConfig, model_fn=None) -> tuple[state.ResumePlan, RunLoc
     return plan, lock
 
 
-def repair_summary(out: str) -> None:
-    """A finished run whose summary.json is corrupt or lost gets it back (from its metrics)."""
-    from ...observe.run_data import repair_summary as repair
-
-    note = repair(out)
-    if note:
-        print(f"gradsync train: {note}", flush=True)
-
-
 FLIGHT_ENV = "GRADSYNC_FLIGHT_DIR"
 
 
@@ -108,9 +103,7 @@ def launch_workers(cfg: TrainConfig, model_fn=None, data_fn=None,
                    faults: FaultInjector | None = None, factories: dict | None = None,
                    callbacks: list | None = None) -> dict | None:
     """Start ``cfg.workers`` local workers on a prepared run directory; rank 0's summary."""
-    from ...launch import launch
-    from ..checkpoint.restarts import record_pending
-    from ..worker.loop import run_worker
+    from ...launch import launch  # it patches torch's rendezvous when imported
 
     # a collective that fails leaves each rank's flight record in the run directory,
     # where the launcher's hang report (and the user) find it; an explicit setting wins
@@ -195,8 +188,6 @@ def train(config: TrainConfig | dict | None = None, model=None, data=None, *,
     callbacks = check_callbacks(callbacks)
     cfg, model_fn, data_fn = _config(config, model, data, overrides)
     if dist.is_initialized():
-        from ..worker.loop import run_worker
-
         cfg = dataclasses.replace(cfg, workers=gdist.world_size())
         return run_worker(cfg.to_dict(), model_fn, data_fn, faults, False, factories, callbacks)
     plan, lock = preflight(cfg, model_fn)

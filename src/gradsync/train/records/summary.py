@@ -1,4 +1,9 @@
-"""The end of a run: summary.json, the closing table, the memory report, report.html."""
+"""The end of a run: summary.json, the closing table, the memory report, report.html.
+
+Also a finished run's lost or damaged summary.json, given back from its metrics
+(:func:`repair_summary`): the launcher and rank 0 of a worker group both say "already
+finished" and repair it.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from ...engine.strategy.inexact import LocalUpdateStrategy
 from ...ft.quorum_step import ft_figures, ft_line
 from ...observe.traffic import run_traffic, traffic_line
 from ...rundir import METRICS, SUMMARY, Summary, read_metrics, sync_description, write_json
-from ..worker.setup import Session
+from ..worker.session import Session
 from .instrument import drift_line, write_report_safely
 
 
@@ -152,3 +157,12 @@ def _buckets_line(s, tuned) -> str:
         return (f"{s.buckets} (cap {s.bucket_cap_mb:.2f} MiB"
                 + (", auto-tuned)" if tuned and tuned.chosen_mb else ")"))
     return "per wrapped unit (zero3)" if s.strategy == "zero3" else "none (not bucketed)"
+
+
+def repair_summary(out: str) -> None:
+    """A finished run whose summary.json is corrupt or lost gets it back (from its metrics)."""
+    from ...observe.run_data import repair_summary as repair
+
+    note = repair(out)
+    if note:
+        print(f"gradsync train: {note}", flush=True)

@@ -29,7 +29,7 @@ from ...errors import GradsyncError
 from ...ft import quorum_step
 from ...rundir import StepRecord
 from ..task.eval_metrics import metric_sums, metric_values
-from ..worker.setup import Session
+from ..worker.session import Session
 
 
 class NonFiniteError(GradsyncError):

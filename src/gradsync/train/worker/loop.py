@@ -23,7 +23,8 @@ from ..records.summary import finish
 from ..step.train_step import run_step
 from ..task.loader import given
 from .faults import FaultInjector
-from .setup import Session, setup
+from .session import Session
+from .setup import setup
 
 
 def _between_steps(sess: Session, step: int) -> bool:

@@ -13,15 +13,12 @@ import contextlib
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from ... import dist as gdist
 from ...data.balance import ShareBalancer
-from ...data.parted_sampler import PartedStepSampler, make_step_sampler
-from ...data.sampler import StepSampler
-from ...engine.strategy.base import Strategy
+from ...data.parted_sampler import make_step_sampler
 from ...errors import UsageError
 from ...ft import quorum_step
 from ...rundir import (
@@ -45,11 +42,13 @@ from ..config.parts_flags import check_data_parts_world
 from ..config.train_config import TrainConfig
 from ..records.instrument import Instruments, baseline_rate_of
 from ..records.progress import RunDisplay
+from ..records.summary import repair_summary
 from ..step.straggler import Slowdown
-from ..task.build import Task, build_task
+from ..task.build import build_task
 from ..task.optim import build_with_optimizer
 from ..task.schedule import finished_line, lr_factor
 from .faults import FaultInjector
+from .session import Session
 
 
 def _interrupt_on_sigterm() -> None:
@@ -59,59 +58,6 @@ def _interrupt_on_sigterm() -> None:
         raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, handler)
-
-
-@dataclass
-class Session:
-    """Everything one worker holds for a run (built by :func:`setup`)."""
-
-    cfg: TrainConfig
-    rank: int
-    world: int
-    device: torch.device
-    backend: str
-    accum: int
-    task: Task
-    strategy: Strategy
-    sampler: StepSampler | PartedStepSampler  # --data-parts P > 1: parted (non-IID)
-    sched: torch.optim.lr_scheduler.LRScheduler
-    faults: FaultInjector
-    inst: Instruments
-    plan: state.ResumePlan
-    ckpt_path: str
-    started: float
-    start_step: int = 0
-    world_sizes: list[int] = field(default_factory=list)
-    lock: RunLock | None = None
-    writer: MetricsWriter | None = None
-    display: RunDisplay | None = None
-    baseline_rate: float | None = None
-    last_loss: float | None = None
-    last_eval: float | None = None
-    step_times: list[float] = field(default_factory=list)
-    skipped: list[int] = field(default_factory=list)
-    memory: object = None
-    loop_started: float = 0.0
-    last_checkpoint: int | None = None
-    items_per_step: int = 0
-    balancer: ShareBalancer | None = None  # each step's split over the ranks (train/step.py)
-    slowdown: Slowdown | None = None  # --straggler: this rank's emulated slowness
-    ft: object = None  # --ft-group: this rank's ReplicaGroup (ft/replica.py, ft/quorum_step.py)
-
-    @property
-    def unit(self) -> str:
-        return self.task.data.item_name or "samples"
-
-    def close(self) -> None:
-        if self.ft:
-            self.ft.shutdown()
-        self.inst.close()
-        if self.slowdown:
-            self.slowdown.close()
-        if self.writer:
-            self.writer.close()
-        if self.lock:
-            self.lock.release()
 
 
 def _prepare_run_dir(cfg: TrainConfig, prepared: bool, need: int | None):
@@ -192,8 +138,6 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
         if rank == 0:
             print(finished_line(cfg, plan.step, plan.schedule_steps), flush=True)
             if not prepared:
-                from ..launcher.api import repair_summary
-
                 repair_summary(cfg.out)
             if lock:
                 lock.release()
