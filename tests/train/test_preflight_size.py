@@ -20,7 +20,7 @@ import gradsync as gs
 from gradsync.errors import UsageError
 from gradsync.train.checkpoint import guard
 from gradsync.train.checkpoint.size import estimate_checkpoint_bytes, on_disk, space_needed
-from gradsync.train.launcher.api import preflight
+from gradsync.train.launcher.preflight import preflight
 
 MODES = {
     "ddp": {},

@@ -18,7 +18,7 @@ from gradsync.rundir import CHECKPOINT, METRICS, read_metrics
 from gradsync.train.checkpoint.state import decide
 from gradsync.train.checkpoint.unit import read_unit
 from gradsync.train.config.train_config import TrainConfig
-from gradsync.train.launcher.api import preflight
+from gradsync.train.launcher.preflight import preflight
 from gradsync.train.task.schedule import finished_line, lr_factor
 
 LR = 0.1

@@ -169,11 +169,11 @@ def test_diloco_on_another_number_of_workers_gives_the_command(tmp_path, capsys,
     """Refused before any worker starts, with the command that continues the run."""
     from gradsync.train.checkpoint import state
     from gradsync.train.checkpoint.guard import RunLock
-    from gradsync.train.launcher import api
+    from gradsync.train.launcher import preflight
 
     out = tmp_path / "run"
     lock = RunLock(str(out), created=True)
-    monkeypatch.setattr(api, "preflight", lambda cfg: (state.ResumePlan("resume", 4, 2, (2,)),
+    monkeypatch.setattr(preflight, "preflight", lambda cfg: (state.ResumePlan("resume", 4, 2, (2,)),
                                                        lock))
     argv = ["train", "--sync", "diloco", "--sync-every", "2", *QUIET, "--workers", "3",
             "--steps", "8", "--out", str(out)]

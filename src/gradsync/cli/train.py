@@ -166,7 +166,8 @@ def run(args) -> int:
 
         from ..rundir import METRICS
         from ..train.config.flags import from_args
-        from ..train.launcher.api import launch_workers, preflight, usage_error_of
+        from ..train.launcher.api import launch_workers, usage_error_of
+        from ..train.launcher.preflight import preflight
         from ..train.records.instrument import write_report_safely
         from ..train.records.summary import repair_summary
         from ..train.task.schedule import finished_line
