@@ -104,7 +104,7 @@ def _reference(steps=STEPS):
 
 
 def _train(strategy, steps, first=1, last=None, record=None):
-    """The loop's calls, as ``train/step.py`` makes them: steps ``first``..``last``."""
+    """The loop's calls, as ``train/step/train_step.py`` makes them: steps ``first``..``last``."""
     x, y = dataset()
     last = last or steps
     reports, params = [], []

@@ -4,7 +4,7 @@ Fault-tolerant runs carry ddp and ZeRO stages 1-3 inside a group and sum exactly
 across groups (each rank sums the slice it owns; a healing rank loads its own
 shard without a collective, since torchft heals some ranks of a group and not
 others), and ``--sync diloco`` or ``streaming-diloco`` with one DiLoCo worker per group
-(``ft_local.py``; streaming's fragment sums are taken at their sync step through the
+(``local_groups.py``; streaming's fragment sums are taken at their sync step through the
 quorum and kept aside until applied, the plain run's trajectory without its overlap).
 What they do not carry yet is refused in one line rather than silently dropped:
 compression across the quorum (its error-feedback state is per rank, and a
@@ -44,7 +44,7 @@ def check_ft(cfg) -> None:
                              "none, --balance off, --collectives native or auto); see "
                              "docs/fault_tolerance.md")
     for name in ("sync_warmup", "outer_momentum_warmup", "sync_every_max", "sync_eager"):
-        if getattr(cfg, name):  # a group's outer syncs are due every --sync-every (ft_local.py)
+        if getattr(cfg, name):  # a group's outer syncs are due every --sync-every (local_groups.py)
             raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} does not combine "
                              "with --ft-groups yet: across replica groups the outer sync comes "
                              "every --sync-every steps through the quorum, from the first step")

@@ -11,8 +11,8 @@ The loop asks three things of this file, and knows nothing else of torchft:
 * :func:`reduce` replaces the group's gradient by the quorum's exact mean
   (``ft/cross_reduce.py``) and returns the quorum's item count and loss sum.
 
-The step itself (``step.py``) then commits or redoes, and the loop
-(``loop.py``) asks :meth:`ReplicaGroup.begin` for each step's quorum.
+The step itself (``train/step/train_step.py``) then commits or redoes, and the loop
+(``train/worker/loop.py``) asks :meth:`ReplicaGroup.begin` for each step's quorum.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ BARRIER_ENV = "GRADSYNC_FT_BARRIER"  # set by the one-machine launcher (cli/trai
 
 def attach(sess) -> ReplicaGroup:
     """Join the replica groups: the lighthouse's quorum decides every step from now on
-    (with ``--sync diloco``: every sync, ``ft_local.py``)."""
+    (with ``--sync diloco``: every sync, ``local_groups.py``)."""
     cfg = sess.cfg
     if cfg.sync != "exact":
         from .local_groups import attach_local

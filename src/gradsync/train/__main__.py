@@ -61,7 +61,7 @@ def _lost_a_peer(e: BaseException) -> str | None:
 
 def main(argv=None, callbacks=None) -> int:
     """Parse the flags and train this rank. ``callbacks``: ``gs.Callback`` objects for
-    rank 0 (``callbacks.py``), for a script that wraps this entry point under torchrun
+    rank 0 (``records/callbacks.py``), for a script that wraps this entry point under torchrun
     (the slow-link benchmark counts the bytes on its link after every step)."""
     parser = argparse.ArgumentParser(prog="python -m gradsync.train",
                                      description="gradsync training worker (run under torchrun)")

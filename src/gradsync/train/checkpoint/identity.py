@@ -12,7 +12,7 @@ recorded value and both ways on (the same value again, or ``--override``).
 What belongs to the update rule, and why:
 
 * ``lr``, ``warmup``, ``schedule`` and ``schedule_steps`` (the length the schedule
-  was planned over, ``train/schedule.py``) -- together the learning rate of every
+  was planned over, ``train/task/schedule.py``) -- together the learning rate of every
   step; a continued run keeps its plan, also when ``--steps`` grows.
 * ``optimizer`` (a built-in's name, ``auto`` resolved, or the ``pkg.module:factory``
   spec), ``weight_decay``, ``betas``: the restored optimizer state only means

@@ -23,7 +23,7 @@ step is not), and
 so may ``--steps``. The update rule -- learning rate, schedule and its planned
 length, optimizer and its options, clipping -- changes only where ``--override``
 names it (``identity.py``); a run continued past its planned schedule keeps it
-(``schedule.py``).
+(``task/schedule.py``).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class ResumePlan:
     was_world: int | None = None
     world_sizes: tuple[int, ...] = ()
     run_id: str = ""  # drawn when the run starts fresh, kept by every resume (``unit.py``)
-    schedule_steps: int = 0  # the schedule's planned length, the run's own (``schedule.py``)
+    schedule_steps: int = 0  # the schedule's planned length, the run's own (``task/schedule.py``)
     notes: tuple[str, ...] = ()  # what continuing does to the schedule, the overrides applied
 
 

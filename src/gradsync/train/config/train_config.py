@@ -149,7 +149,7 @@ class TrainConfig:
             raise UsageError("--warmup, --checkpoint-every and --clip must be >= 0")
         if not isinstance(self.schedule_steps, int) or self.schedule_steps < 0:
             raise UsageError(f"--schedule-steps must be an integer >= 0, got {self.schedule_steps!r}")
-        parse_overrides(self.override)  # names only what may be overridden (train/identity.py)
+        parse_overrides(self.override)  # names only what may be overridden (train/checkpoint/identity.py)
         if self.eval_every < 0 or self.max_restarts < 0:
             raise UsageError("--eval-every and --max-restarts must be >= 0")
         if not 0 <= self.port <= 65535:
@@ -217,7 +217,7 @@ class TrainConfig:
         return self.balance == "auto" and self.sync == "exact" and self.compress == "none"
 
     def _check_choices(self) -> None:
-        """--weight-decay, --betas, --scheduler (``train/optim.py``)."""
+        """--weight-decay, --betas, --scheduler (``train/task/optim.py``)."""
         if self.weight_decay is not None and not (isinstance(self.weight_decay, (int, float))
                                                   and self.weight_decay >= 0):
             raise UsageError(f"--weight-decay must be a number >= 0, got {self.weight_decay!r}")
@@ -255,7 +255,7 @@ class TrainConfig:
     def accumulation(self, world_size: int, resuming: bool = False) -> int:
         """Micro-steps per optimizer step; the global batch must divide exactly.
         ``resuming``: the global batch is the run's own, so the error lists the worker
-        counts and micro-batches that split it (``train/splits.py``), not other batches.
+        counts and micro-batches that split it (``train/config/splits.py``), not other batches.
         Across replica groups the quorum deals each step's batch (``ft/shares.py``): the
         count with every group present, rounded up, and nothing has to divide."""
         if self.ft_groups:

@@ -9,7 +9,7 @@ accumulation, metrics, NaN guards and the report come with it. Called in a
 plain process it checks the run directory, takes its lock and launches
 ``config.workers`` local workers; called where a process group already exists
 (a script under ``torchrun``, or inside ``gradsync.spawn``) it runs this rank's
-part. ``model``/``data`` are factories (contracts in ``train/task.py``): to reach
+part. ``model``/``data`` are factories (contracts in ``train/task/build.py``): to reach
 launched workers they must be importable by name (module-level functions), or
 be given as ``"pkg.module:factory"`` strings.
 """
@@ -117,9 +117,9 @@ def train(config: TrainConfig | dict | None = None, model=None, data=None, *,
             default ``config.data``.
         faults: a :class:`FaultInjector` (tests of recovery).
         callbacks: objects with ``on_step_end``/``on_eval``/``on_checkpoint`` (e.g.
-            :class:`gradsync.Callback` subclasses), called on rank 0 (``callbacks.py``).
+            :class:`gradsync.Callback` subclasses), called on rank 0 (``records/callbacks.py``).
         ``optimizer=``/``scheduler=`` (overrides) may be module-level functions, the
-        factories of ``train/optim.py``; they reach the workers pickled.
+        factories of ``train/task/optim.py``; they reach the workers pickled.
     Returns None when the run directory held a finished run (nothing is done),
     on ranks other than 0, or after an injected stop.
     """

@@ -96,7 +96,7 @@ def check_callbacks(callbacks) -> list:
 
 
 class Callbacks:
-    """Rank 0's callbacks, called by the loop (``loop.py``); a no-op on other ranks."""
+    """Rank 0's callbacks, called by the loop (``worker/loop.py``); a no-op on other ranks."""
 
     def __init__(self, callbacks, rank: int):
         self.callbacks = list(callbacks or ()) if rank == 0 else []

@@ -191,7 +191,7 @@ def maybe_evaluate(sess: Session, step: int) -> tuple[float | None, dict | None]
 @torch.no_grad()
 def evaluate(sess: Session) -> tuple[float | None, dict[str, float]]:
     """The exact mean loss over the whole held-out set, the same number on every rank,
-    and ``TrainData.metrics`` over it (``eval_metrics.py``), in the same all-reduce.
+    and ``TrainData.metrics`` over it (``task/eval_metrics.py``), in the same all-reduce.
 
     Rank ``r`` takes samples ``r, r + K, ...``, a training step's share at a time
     (no activations are kept for backward, so a forward of that size fits); every

@@ -83,7 +83,7 @@ class TrainData:
 class Task:
     model: nn.Module
     data: TrainData
-    optimizer_factory: Callable  # (param_groups, lr) -> Optimizer (train/optim.py)
+    optimizer_factory: Callable  # (param_groups, lr) -> Optimizer (train/task/optim.py)
     scheduler_factory: Callable | None  # (optimizer, total_steps) -> LRScheduler; None: built-in
     model_name: str
     data_name: str

@@ -12,7 +12,7 @@ a second cosine: it is what the schedule says for every step after its end, so a
 run continued in pieces trains exactly like one launched for the whole length
 with the same ``--schedule-steps``, and nothing ever jumps. Re-planning over the
 new ``--steps`` is a change of the run's schedule, asked for explicitly with
-``--override schedule-steps`` (``train/identity.py``).
+``--override schedule-steps`` (``train/checkpoint/identity.py``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """The training loop every worker runs: under `gradsync train`, `torchrun -m gradsync.train`
 or :func:`gradsync.train`.
 
-Three parts, one file each: :func:`session.setup` (run directory, lock, resume
-decision, strategy, restored state), :func:`step.run_step` (one optimizer step,
-exact over the global batch, guarded against NaN) and :func:`summary.finish`
-(summary.json, table, report). Between steps, here: the bucket plan for the
-report, the drift check, checkpoints, a fault injector's clean stop, and rank 0's
-callbacks (``callbacks.py``).
+Three parts, one file each: ``worker/setup.py`` builds the :class:`Session` (run
+directory, lock, resume decision, strategy, restored state), :func:`run_step`
+(``step/train_step.py``) takes one optimizer step, exact over the global batch and
+guarded against NaN, and :func:`finish` (``records/summary.py``) ends the run
+(summary.json, table, report). Between steps, here: the bucket plan for the report,
+the drift check, checkpoints, a fault injector's clean stop, and rank 0's callbacks
+(``records/callbacks.py``).
 """
 
 from __future__ import annotations
@@ -78,11 +79,11 @@ def run_worker(cfg_dict: dict, model_fn=None, data_fn=None, faults: FaultInjecto
                callbacks: list | None = None) -> dict | None:
     """Train on this rank; rank 0 returns the run summary (a dict), the others ``None``.
 
-    ``model_fn``/``data_fn`` override ``--model``/``--data`` (see ``train/task.py`` for
+    ``model_fn``/``data_fn`` override ``--model``/``--data`` (see ``train/task/build.py`` for
     their contracts). ``prepared``: the launching process checked the run directory,
-    verified the checkpoint and holds the lock (see ``train/api.py``). ``factories``:
+    verified the checkpoint and holds the lock (see ``train/launcher/preflight.py``). ``factories``:
     ``--optimizer``/``--scheduler`` names given from Python as objects
-    (``loader.py``); ``callbacks``: run on rank 0 (``callbacks.py``).
+    (``task/loader.py``); ``callbacks``: run on rank 0 (``records/callbacks.py``).
     """
     cfg = TrainConfig(**cfg_dict)
     given(factories or {})

@@ -104,7 +104,7 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
     with contextlib.suppress(UsageError):  # as a continued run keeps its global batch
         accum = cfg.accumulation(world)
     slowdown = Slowdown(cfg.straggler, rank, world)  # likewise
-    check_data_parts_world(cfg, world)  # the same on every rank: P divides K (parts_flags.py)
+    check_data_parts_world(cfg, world)  # every rank alike: P divides K (config/parts_flags.py)
     _interrupt_on_sigterm()
     faults = faults or FaultInjector()
     faults.attempt = gdist.restart_count()  # a fault fires in one attempt, not in every restart
@@ -122,7 +122,7 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
     if outcome[0] == "error":
         raise UsageError(outcome[1])
     plan: state.ResumePlan = outcome[1]
-    cfg.schedule_steps = plan.schedule_steps  # the run's own plan (schedule.py)
+    cfg.schedule_steps = plan.schedule_steps  # the run's own plan (task/schedule.py)
     if accum is None:
         if lock:
             lock.release()
@@ -147,7 +147,7 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
         raise UsageError(f"--data {cfg.data} holds {n} sample{'' if n == 1 else 's'}, fewer "
                          "than one global batch "
                          f"({cfg.global_batch}); every step needs distinct samples")
-    strategy, sched = build_with_optimizer(task, cfg, info.device)  # train/optim.py
+    strategy, sched = build_with_optimizer(task, cfg, info.device)  # train/task/optim.py
     sched = sched or torch.optim.lr_scheduler.LambdaLR(strategy.optimizer,
                                                        lambda s: lr_factor(s, cfg))
     sess = Session(cfg, rank, world, info.device, info.backend, accum, task, strategy,
@@ -196,7 +196,7 @@ def _open_rank0(sess: Session) -> None:
                          f"({workers}, was {plan.was_world})")
         for note in plan.notes:  # the schedule past its plan, the overrides applied
             sess.display.say(f"gradsync train: {note}")
-    if cfg.log:  # --log: the same records through each tracker too (train/trackers/)
+    if cfg.log:  # --log: the same records through each tracker too (train/records/trackers/)
         from ..records.trackers.fanout import open_trackers
 
         sess.writer = open_trackers(sess.writer, {**cfg.to_dict(), "world_size": sess.world,
