@@ -59,8 +59,8 @@ from gradsync.engine.compress.base import ring_bytes
 from gradsync.engine.replicated.memory_report import MemoryReport, optimizer_bytes
 from gradsync.engine.strategy.base import Strategy
 from gradsync.engine.strategy.registry import STRATEGIES, register_strategy
-from gradsync.train.callbacks import Callback
-from gradsync.train.task import TrainData
+from gradsync.train.records.callbacks import Callback
+from gradsync.train.task.build import TrainData
 
 MLP_DEPTH, MLP_WIDTH = 4, 1024
 
@@ -101,7 +101,7 @@ HELD_OUT_WINDOWS, SEQ_LEN = 512, 128
 
 def pysrc_wide() -> TrainData:
     """The stdlib corpus in windows of 128 tokens; every (n // 512)-th window held out."""
-    from gradsync.train.builtins import DATASETS
+    from gradsync.train.task.builtins import DATASETS
 
     windows = DATASETS["pysrc"][1](SEQ_LEN, 0)
     stride = len(windows) // HELD_OUT_WINDOWS

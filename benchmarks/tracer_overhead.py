@@ -12,7 +12,7 @@ Three variants of DataParallel, and a control, train the same MLP on 2 gloo work
   every statement that mentions the tracer, and the stripped DataParallel is
   built on the stripped core, so it is exactly today's engine minus tracing (each
   stripped source is checked to mention ``tracing`` only in its import). The
-  other user of ``tracing``, ``train/step.py``'s optimizer span, is not on this
+  other user of ``tracing``, ``train/step/train_step.py``'s optimizer span, is not on this
   path. ``comm``'s observer door stays: it is not tracer code (tests count
   collectives through it) and, with no observer, one empty-list check per
   collective, the same in every variant;

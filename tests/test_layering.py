@@ -5,7 +5,7 @@ included: a lazy import hides a dependency, it does not remove it), each import
 is resolved to the module it names, and both ends are placed in an area of
 :data:`RANK`. An import is allowed when its target's rank is lower than the
 importer's, or when both lie in the same area. Areas of equal rank (``sharded``
-and ``local``; ``calibrate`` and ``checks``; ``netlab`` and ``train``) do not
+and ``local``; ``netlab`` and ``train``) do not
 import each other. A module in no area fails the test, so a new package has to
 be placed in the table before it lands.
 
@@ -15,14 +15,24 @@ Two exceptions, written as rules rather than ranks:
 * the package root ``gradsync`` (the lazy public API) re-exports from every area,
   and only areas above the engine may import it: below, it would hide an upward
   import behind a lazy name.
+
+Inside an area imports may go either way, but never round: :func:`cycles` finds every
+import cycle among the modules, in-function imports included (an import moved into a
+function to dodge a cycle still closes it), and the tree must have none.
+
+``docs/architecture.md`` says the same things to a reader, and is held to the files:
+its table of areas lists exactly :data:`RANK`, and its tree names exactly the packages
+and modules under ``src/gradsync`` (:func:`doc_problems`).
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+DOC = SRC.parent / "docs" / "architecture.md"
 
 # lowest first; an area may import areas of lower rank and itself
 RANK = {
@@ -40,10 +50,14 @@ RANK = {
     "engine.strategy": 3.6,
     # above the engine
     "plan": 4,
-    "calibrate": 5, "checks": 5,
+    "calibrate": 5,
     "observe": 6,
-    "ft": 6.5,  # replica groups on torchft: above the engine and data, below train, its caller
+    "ft": 6.5,  # replica groups on torchft, and the loop's side of the quorum (it takes the
+    # worker's session as an object): above the engine and data, below train, its caller
     "netlab": 7, "train": 7,
+    # `gradsync verify`: the built-in exactness check, and the same check on the user's own
+    # model and data read exactly as `gradsync train` reads them (train's task), so above train
+    "checks": 7.5,
     "cli": 8, "__main__": 9,  # `python -m gradsync` runs the CLI
 }
 PLAN_MAY_IMPORT = {"gradsync.engine.buckets.plan"}
@@ -51,7 +65,8 @@ ROOT = "gradsync"  # the package root: the public, lazy API
 
 
 def area(module: str) -> str | None:
-    """``gradsync.engine.sync.core`` -> ``engine.sync``; ``gradsync.train.loop`` -> ``train``."""
+    """``gradsync.engine.sync.core`` -> ``engine.sync``; ``gradsync.train.worker.loop``
+    -> ``train``."""
     parts = module.split(".")[1:]
     if not parts:
         return ROOT
@@ -117,9 +132,154 @@ def violations(src: pathlib.Path = SRC) -> list[str]:
     return bad
 
 
+def import_graph(src: pathlib.Path = SRC) -> dict[str, dict[str, str]]:
+    """module -> {gradsync module it imports: where ("path:line")}, every import counted."""
+    known = modules(src)
+    graph: dict[str, dict[str, str]] = {}
+    for name, (path, is_pkg) in known.items():
+        edges = graph.setdefault(name, {})
+        for line, target in imports(name, path, is_pkg, known):
+            if target in known and target != name:
+                edges.setdefault(target, f"{path.relative_to(src / 'gradsync')}:{line}")
+    return graph
+
+
+def _strongly_connected(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one module (iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def cycles(src: pathlib.Path = SRC) -> list[str]:
+    """One line per import cycle: a shortest way round it from its first module, with
+    the file and line of every import on the way."""
+    graph = import_graph(src)
+    lines = []
+    for component in _strongly_connected(graph):
+        inside, start = set(component), component[0]
+        came_from: dict[str, str] = {}
+        frontier = [start]
+        while start not in came_from:  # breadth first, back to the start
+            nxt = []
+            for node in frontier:
+                for child in sorted(graph[node]):
+                    if child in inside and child not in came_from:
+                        came_from[child] = node
+                        nxt.append(child)
+            frontier = nxt
+        path = [start]
+        while len(path) == 1 or path[-1] != start:
+            path.append(came_from[path[-1]])
+        path.reverse()
+        where = ", ".join(graph[a][b] for a, b in zip(path, path[1:]))
+        lines.append(f"{' -> '.join(path)} ({where})")
+    return lines
+
+
 def test_every_import_goes_down_the_layers():
     assert len(modules(SRC)) > 100  # the walk found the package
     assert violations() == []
+
+
+def test_no_import_cycle_anywhere():
+    """Also none closed by an import inside a function: move the shared piece down."""
+    assert cycles() == []
+
+
+# ------------------------------------------------------------------ the architecture page
+def doc_tree(text: str) -> set[str]:
+    """The paths the page's tree names (the fenced block under "## The tree"): folders
+    end in "/", relative to ``src/gradsync``; two spaces of indent per level, and what
+    follows a name on its line is the reader's, not checked."""
+    block = text.split("\n## The tree", 1)[1].split("```", 2)[1]
+    paths, stack = set(), []
+    for line in block.splitlines()[1:]:
+        if not line.strip():
+            continue
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        name = line.split()[0]
+        if depth == 0:  # the root line, "gradsync/"
+            stack = []
+            continue
+        stack = stack[:depth - 1] + [name]
+        paths.add("".join(stack))  # a folder's name ends in "/"
+    return paths
+
+
+def source_tree(src: pathlib.Path = SRC) -> set[str]:
+    """Every folder (with a "/") and module of ``src/gradsync``, ``__init__.py`` left out:
+    the folder stands for it."""
+    root = src / "gradsync"
+    out = set()
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        out.update("/".join(rel.parts[:i]) + "/" for i in range(1, len(rel.parts)))
+        if path.name != "__init__.py":
+            out.add(str(rel))
+    return out
+
+
+def doc_areas(text: str) -> dict[str, float]:
+    """The page's table of areas (under "## Who may import whom"): area -> rank."""
+    section = text.split("\n## Who may import whom", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| *([0-9.]+) *\| *`([\w.]+)` *\|", section, re.M)
+    return {name: float(rank) for rank, name in rows}
+
+
+def doc_problems(text: str, src: pathlib.Path = SRC, rank: dict | None = None) -> list[str]:
+    """What the page says that the files or the table do not (empty: it is true)."""
+    rank = RANK if rank is None else rank
+    problems = []
+    on_page, on_disk = doc_tree(text), source_tree(src)
+    problems += [f"the tree lacks {p}" for p in sorted(on_disk - on_page)]
+    problems += [f"the tree names {p}, which is not in src/gradsync" for p in
+                 sorted(on_page - on_disk)]
+    areas = doc_areas(text)
+    for name in sorted(set(rank) | set(areas)):
+        if areas.get(name) != rank.get(name):
+            problems.append(f"the table of areas gives {name} rank {areas.get(name)}, "
+                            f"tests/test_layering.py's RANK {rank.get(name)}")
+    return problems
+
+
+def test_the_architecture_page_matches_the_files_and_the_table():
+    assert doc_problems(DOC.read_text()) == []
 
 
 def _tree(tmp_path, files: dict[str, str]) -> pathlib.Path:
@@ -165,3 +325,56 @@ def test_planted_upward_imports_are_named(tmp_path):
                 "gradsync.extra: in no area"]
     for text in expected:
         assert sum(text in b for b in bad) == 1, (text, bad)
+
+
+def test_a_clean_tree_has_no_cycle(tmp_path):
+    assert cycles(_tree(tmp_path, BASE)) == []
+
+
+def test_a_planted_cycle_is_named_with_its_imports(tmp_path):
+    planted = dict(BASE)
+    planted["train/a.py"] = "from . import b\n"
+    planted["train/b.py"] = "def f():\n    from .c import x\n"  # inside a function: counted
+    planted["train/c.py"] = "from .a import y\n"
+    planted["train/d.py"] = "from . import a, b\n"  # imports into the cycle, not part of it
+    found = cycles(_tree(tmp_path, planted))
+    assert found == ["gradsync.train.a -> gradsync.train.b -> gradsync.train.c -> "
+                     "gradsync.train.a (train/a.py:1, train/b.py:2, train/c.py:1)"], found
+    assert violations(_tree(tmp_path, planted)) == []  # the layers alone would not see it
+
+
+PAGE = """# x
+
+## Who may import whom
+
+| rank | area | job |
+|---|---|---|
+| 0 | `errors` | the exceptions |
+| 3.0 | `engine.transport` | bytes |
+
+## The tree
+
+```
+gradsync/
+  errors.py        the exceptions
+  engine/          the runtime
+    transport/
+      comm.py
+```
+"""
+
+
+def test_the_page_is_read_as_the_files_it_names(tmp_path):
+    src = _tree(tmp_path, {"__init__.py": "", "errors.py": "", "engine/__init__.py": "",
+                           "engine/transport/__init__.py": "",
+                           "engine/transport/comm.py": ""})
+    rank = {"errors": 0, "engine.transport": 3.0}
+    assert doc_tree(PAGE) == {"errors.py", "engine/", "engine/transport/",
+                              "engine/transport/comm.py"}
+    assert doc_problems(PAGE, src, rank) == []
+    (src / "gradsync" / "engine" / "transport" / "ring.py").write_text("")
+    stale = PAGE.replace("| 3.0 |", "| 3.1 |").replace("  errors.py", "  error.py")
+    assert doc_problems(stale, src, rank) == [
+        "the tree lacks engine/transport/ring.py", "the tree lacks errors.py",
+        "the tree names error.py, which is not in src/gradsync",
+        "the table of areas gives engine.transport rank 3.1, tests/test_layering.py's RANK 3.0"]

@@ -59,12 +59,12 @@ _LAZY = {
     "ShareBalancer": "gradsync.data.balance",
     "DesyncError": "gradsync.engine.transport.fingerprint",
     "BusyClock": "gradsync.engine.transport.busy_clock",
-    "train": "gradsync.train.api",
-    "TrainConfig": "gradsync.train.config",
-    "TrainData": "gradsync.train.task",
-    "Callback": "gradsync.train.callbacks",
-    "CallbackInfo": "gradsync.train.callbacks",
-    "FaultInjector": "gradsync.train.faults",
+    "train": "gradsync.train.launcher.api",
+    "TrainConfig": "gradsync.train.config.train_config",
+    "TrainData": "gradsync.train.task.build",
+    "Callback": "gradsync.train.records.callbacks",
+    "CallbackInfo": "gradsync.train.records.callbacks",
+    "FaultInjector": "gradsync.train.worker.faults",
 }
 
 __all__ = [

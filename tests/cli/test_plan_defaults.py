@@ -50,7 +50,7 @@ def test_memory_defaults_are_trains_fp32_and_its_optimizer(capsys):
 
 def test_precisions_and_auto_optimizer_are_trains():
     from gradsync.engine.strategy.registry import PRECISIONS as TRAIN_PRECISIONS
-    from gradsync.train.config import TrainConfig
+    from gradsync.train.config.train_config import TrainConfig
 
     assert PRECISIONS == TRAIN_PRECISIONS
     for model in ("gpt", "mlp", "tests.plan.factories:tiny_mlp"):
@@ -62,7 +62,7 @@ def test_precisions_and_auto_optimizer_are_trains():
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
 def test_optimizer_state_bytes_are_what_trains_optimizer_holds(name):
     """The planner's bytes of state per parameter, counted on train's own optimizer."""
-    from gradsync.train.builtins import OPTIMIZERS
+    from gradsync.train.task.builtins import OPTIMIZERS
 
     model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
     opt = OPTIMIZERS[name]([{"params": list(model.parameters())}], 0.01)

@@ -19,7 +19,7 @@ from gradsync.engine.strategy.options import COLLECTIVES, SyncOptions, auto_coll
 from gradsync.engine.transport.algorithms.topology import hosts_in_env
 from gradsync.errors import UsageError
 from gradsync.rundir import sync_description
-from gradsync.train.config import TrainConfig
+from gradsync.train.config.train_config import TrainConfig
 
 
 def _env(world, local=None, hosts=None):

@@ -104,7 +104,7 @@ def _reference(steps=STEPS):
 
 
 def _train(strategy, steps, first=1, last=None, record=None):
-    """The loop's calls, as ``train/step.py`` makes them: steps ``first``..``last``."""
+    """The loop's calls, as ``train/step/train_step.py`` makes them: steps ``first``..``last``."""
     x, y = dataset()
     last = last or steps
     reports, params = [], []
@@ -277,7 +277,7 @@ def test_unused_parameter_follows_the_applied_window():
 
 
 def test_flag_refused_without_compress():
-    from gradsync.train.config import TrainConfig
+    from gradsync.train.config.train_config import TrainConfig
 
     for kw in ({}, {"sync": "diloco", "compress": "int8"}):
         with pytest.raises(UsageError) as err:

@@ -240,7 +240,7 @@ class _Replica:
 def test_a_sync_that_does_not_commit_is_summed_again_without_the_lost_group(one_process_group):
     from types import SimpleNamespace
 
-    from gradsync.train.ft_local import LocalGroups
+    from gradsync.ft.local_groups import LocalGroups
 
     model, dl, start, mine, theirs = _moved_group()
     zeros = torch.zeros_like(theirs)
@@ -260,8 +260,8 @@ def test_a_sync_that_does_not_commit_is_summed_again_without_the_lost_group(one_
 
 
 def test_both_local_update_methods_are_accepted_across_groups_and_compression_is_not():
-    from gradsync.train.config import TrainConfig
-    from gradsync.train.ft_flags import check_ft
+    from gradsync.ft.flags import check_ft
+    from gradsync.train.config.train_config import TrainConfig
 
     check_ft(TrainConfig(ft_groups=2, sync="diloco"))
     check_ft(TrainConfig(ft_groups=2, sync="streaming-diloco"))

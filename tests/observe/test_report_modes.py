@@ -22,7 +22,7 @@ import pytest
 import gradsync as gs
 from gradsync.observe.report import write_report
 from gradsync.rundir import METRICS, REPORT, SUMMARY, Summary, read_metrics
-from gradsync.train.summary import _traffic_line
+from gradsync.train.records.summary import _traffic_line
 from tests.browser import needs_chromium, run_page
 
 GRAD = 155 * 8  # tiny64's gradient in bytes

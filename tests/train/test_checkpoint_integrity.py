@@ -26,7 +26,7 @@ import torch
 
 import gradsync as gs
 from gradsync.cli import main as cli_main
-from gradsync.train.checkpoint import read_header
+from gradsync.train.checkpoint.unit import read_unit
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ["--model", "tests.train.factories:tiny32", "--data", "tests.train.factories:regression32",
@@ -87,7 +87,7 @@ def _flip_pickled_step(path: Path) -> None:
 
 
 def test_a_resumed_run_keeps_its_id_and_its_shards_carry_it(runs):
-    a2, a3, b3 = (read_header(str(runs / n / "checkpoint.pt")) for n in ("a2", "a", "b"))
+    a2, a3, b3 = (read_unit(str(runs / n / "checkpoint.pt")) for n in ("a2", "a", "b"))
     assert (a2["step"], a3["step"], b3["step"]) == (2, 3, 3)
     assert a2["run_id"] == a3["run_id"] != b3["run_id"]
     manifest = json.loads((runs / "a" / SHARDS / "step-0000003" / "manifest.json").read_text())

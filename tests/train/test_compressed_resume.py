@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gradsync as gs
-from gradsync.train.config import TrainConfig
+from gradsync.train.config.train_config import TrainConfig
 
 GPT = dict(model="gpt", data="pysrc", steps=6, seq_len=32, global_batch=8, micro_batch=4,
            workers=2, checkpoint_every=3, eval_every=0, drift_every=0, no_report=True,

@@ -25,11 +25,11 @@ import gradsync as gs
 from gradsync.cli import main
 from gradsync.errors import UsageError
 from gradsync.factory import load_factory
-from gradsync.train.config import TrainConfig
-from gradsync.train.flags import add_arguments, from_args
-from gradsync.train.guard import RunLock
-from gradsync.train.progress import RunDisplay
-from gradsync.train.task import TrainData, complete
+from gradsync.train.checkpoint.guard import RunLock
+from gradsync.train.config.flags import add_arguments, from_args
+from gradsync.train.config.train_config import TrainConfig
+from gradsync.train.records.progress import RunDisplay
+from gradsync.train.task.build import TrainData, complete
 
 V, H, S = 11, 8, 6  # vocabulary, hidden, sequence
 
@@ -216,7 +216,7 @@ def test_the_lock_file_is_removed_and_a_removed_lock_cannot_admit_two(tmp_path, 
     orphan = os.open(a.path, os.O_RDWR)  # B's open, before A's release
     a.release()
     assert not os.path.exists(a.path)
-    from gradsync.train import guard
+    from gradsync.train.checkpoint import guard
 
     real_open, calls = os.open, []
 

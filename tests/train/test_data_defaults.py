@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from gradsync.errors import UsageError
-from gradsync.train.task import TrainData, complete
+from gradsync.train.task.build import TrainData, complete
 
 
 def _data(x, y, **kw):

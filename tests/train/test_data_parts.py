@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import gradsync as gs
 from gradsync.data.parted_sampler import PartedStepSampler
 from gradsync.rundir import METRICS, read_metrics
-from gradsync.train.session import lr_factor
+from gradsync.train.task.schedule import lr_factor
 from tests.train.factories import RECORD_ENV, N, tensors, tiny64
 
 STEPS, GB, MB, LR, PARTS = 8, 12, 3, 0.05, 2

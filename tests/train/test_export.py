@@ -20,7 +20,7 @@ import gradsync as gs
 from gradsync.cli import main
 from gradsync.errors import UsageError
 from gradsync.rundir import CHECKPOINT
-from gradsync.train.export import PROVENANCE, export_run
+from gradsync.train.checkpoint.export import PROVENANCE, export_run
 from tests.train import factories
 from tests.train.factories import padded_arrays, tensors
 

@@ -23,9 +23,9 @@ import torch
 
 import gradsync as gs
 from gradsync.cli import main as cli_main
-from gradsync.train import guard
-from gradsync.train.checkpoint import verify
-from gradsync.train.guard import RunLock, check_run_dir
+from gradsync.train.checkpoint import guard
+from gradsync.train.checkpoint.format import verify
+from gradsync.train.checkpoint.guard import RunLock, check_run_dir
 from tests.cli_in_process import cli_here
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -214,8 +214,8 @@ def _drift_with_nan(out: str):
     from torch import nn
 
     from gradsync.errors import ReplicaMismatchError
-    from gradsync.train.config import TrainConfig
-    from gradsync.train.instrument import Instruments
+    from gradsync.train.config.train_config import TrainConfig
+    from gradsync.train.records.instrument import Instruments
 
     cfg = TrainConfig(steps=4, drift_every=2, out=out)
     inst = Instruments(cfg, gs.rank(), gs.world_size(), torch.device("cpu"))

@@ -25,11 +25,11 @@ from torch import nn
 import gradsync as gs
 from gradsync.errors import UsageError
 from gradsync.rundir import METRICS, read_metrics
-from gradsync.train.callbacks import check_callbacks
-from gradsync.train.eval_metrics import check_metrics, metric_sums
-from gradsync.train.loader import load_callable, take_factories
-from gradsync.train.optim import FactoryOptimizer, own_scheduler, split_decay
-from gradsync.train.schedule import lr_factor
+from gradsync.train.records.callbacks import check_callbacks
+from gradsync.train.task.eval_metrics import check_metrics, metric_sums
+from gradsync.train.task.loader import load_callable, take_factories
+from gradsync.train.task.optim import FactoryOptimizer, own_scheduler, split_decay
+from gradsync.train.task.schedule import lr_factor
 from tests.train.factories import abs_error, normed64, positive, tensors, user_adamw
 from tests.train.test_world_size import _stream
 

@@ -18,9 +18,9 @@ from torch import nn
 
 import gradsync as gs
 from gradsync.errors import UsageError
-from gradsync.train import guard
-from gradsync.train.api import preflight
-from gradsync.train.save_size import estimate_checkpoint_bytes, on_disk, space_needed
+from gradsync.train.checkpoint import guard
+from gradsync.train.checkpoint.size import estimate_checkpoint_bytes, on_disk, space_needed
+from gradsync.train.launcher.preflight import preflight
 
 MODES = {
     "ddp": {},

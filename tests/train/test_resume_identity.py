@@ -15,11 +15,11 @@ import pytest
 import gradsync as gs
 from gradsync.errors import UsageError
 from gradsync.rundir import CHECKPOINT, METRICS, read_metrics
-from gradsync.train.api import preflight
-from gradsync.train.checkpoint import read_header
-from gradsync.train.config import TrainConfig
-from gradsync.train.schedule import finished_line, lr_factor
-from gradsync.train.state import decide
+from gradsync.train.checkpoint.state import decide
+from gradsync.train.checkpoint.unit import read_unit
+from gradsync.train.config.train_config import TrainConfig
+from gradsync.train.launcher.preflight import preflight
+from gradsync.train.task.schedule import finished_line, lr_factor
 
 LR = 0.1
 BASE = dict(workers=1, global_batch=8, micro_batch=4, warmup=1, lr=LR, optimizer="adamw",
@@ -37,7 +37,7 @@ def finished(tmp_path_factory) -> str:
 
 def _decide(out: str, **changes):
     cfg = TrainConfig(**{**BASE, "steps": 4, "out": out, **changes})
-    return decide(cfg, read_header(os.path.join(out, CHECKPOINT)))
+    return decide(cfg, read_unit(os.path.join(out, CHECKPOINT)))
 
 
 def test_the_schedule_past_its_plan_stays_at_its_final_rate():

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from gradsync.train.config import TrainConfig
-from gradsync.train.flags import add_arguments, from_args
-from gradsync.train.session import lr_factor
+from gradsync.train.config.flags import add_arguments, from_args
+from gradsync.train.config.train_config import TrainConfig
+from gradsync.train.task.schedule import lr_factor
 
 
 def _parse(*argv):

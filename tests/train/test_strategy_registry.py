@@ -1,6 +1,6 @@
 """`--strategy` reads the registry when the parser is built, not when modules are imported.
 
-A strategy registered after ``gradsync.train.config`` was imported (as
+A strategy registered after ``gradsync.train.config.train_config`` was imported (as
 ``benchmarks/slow_link_worker.py`` registers ``torch-ddp``) must be a choice of
 the parser built afterwards and a valid ``TrainConfig``, whatever the import order.
 """
@@ -10,7 +10,7 @@ import pytest
 from gradsync.cli import build_parser
 from gradsync.engine.strategy.registry import STRATEGIES, register_strategy
 from gradsync.errors import UsageError
-from gradsync.train import config, flags  # imported before the registration below
+from gradsync.train.config import flags, train_config  # imported before the registration below
 
 
 def test_a_strategy_registered_after_import_is_a_choice(capsys):
@@ -29,4 +29,4 @@ def test_a_strategy_registered_after_import_is_a_choice(capsys):
         build_parser().parse_args(["train", "--strategy", "late-ddp"])
     assert "invalid choice: 'late-ddp'" in capsys.readouterr().err
     with pytest.raises(UsageError, match="unknown strategy 'late-ddp'"):
-        config.TrainConfig(strategy="late-ddp")
+        train_config.TrainConfig(strategy="late-ddp")

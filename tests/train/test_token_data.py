@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import gradsync as gs
 from gradsync.rundir import METRICS, read_metrics
-from gradsync.train.session import lr_factor
+from gradsync.train.task.schedule import lr_factor
 from tests.train import factories
 from tests.train.factories import PADDED_N, padded_arrays
 

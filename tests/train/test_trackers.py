@@ -21,8 +21,8 @@ import gradsync as gs
 from gradsync.cli import main
 from gradsync.errors import UsageError
 from gradsync.rundir import METRICS, METRICS_CSV, TRACKERS, read_metrics_file
-from gradsync.train.trackers.base import Tracker
-from gradsync.train.trackers.fanout import TrackedWriter
+from gradsync.train.records.trackers.base import Tracker
+from gradsync.train.records.trackers.fanout import TrackedWriter
 
 pytestmark = pytest.mark.timeout(240)
 LOG = "tensorboard,csv,wandb,mlflow"

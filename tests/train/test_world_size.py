@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import gradsync as gs
 from gradsync.rundir import METRICS, read_metrics
-from gradsync.train.session import lr_factor
+from gradsync.train.task.schedule import lr_factor
 from tests.train.factories import RECORD_ENV, N, tensors, tiny64
 
 STEPS, GB, MB, LR = 12, 12, 2, 0.05

@@ -154,7 +154,7 @@ def test_a_parameter_on_the_meta_device_is_named(tmp_path):
     """Each worker builds its task first: the error names the parameter there, instead of
     torch's "Cannot copy out of meta tensor; no data!" when the strategy moves it."""
     import gradsync as gs
-    from gradsync.train.task import build_task
+    from gradsync.train.task.build import build_task
 
     cfg = gs.TrainConfig(workers=2, steps=2, global_batch=12, micro_batch=2, out=str(tmp_path),
                          optimizer="sgd", model="tests.train.test_write_paths:meta_model",
@@ -167,12 +167,13 @@ def test_a_parameter_on_the_meta_device_is_named(tmp_path):
 
 def test_diloco_on_another_number_of_workers_gives_the_command(tmp_path, capsys, monkeypatch):
     """Refused before any worker starts, with the command that continues the run."""
-    from gradsync.train import api, state
-    from gradsync.train.guard import RunLock
+    from gradsync.train.checkpoint import state
+    from gradsync.train.checkpoint.guard import RunLock
+    from gradsync.train.launcher import preflight
 
     out = tmp_path / "run"
     lock = RunLock(str(out), created=True)
-    monkeypatch.setattr(api, "preflight", lambda cfg: (state.ResumePlan("resume", 4, 2, (2,)),
+    monkeypatch.setattr(preflight, "preflight", lambda cfg: (state.ResumePlan("resume", 4, 2, (2,)),
                                                        lock))
     argv = ["train", "--sync", "diloco", "--sync-every", "2", *QUIET, "--workers", "3",
             "--steps", "8", "--out", str(out)]

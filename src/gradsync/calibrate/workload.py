@@ -69,7 +69,7 @@ def _example_batch(model, micro_batch: int, seq_len: int):
 def output_logits(output):
     """The tensor the generic loss reads from a model's output.
 
-    Mirrors ``gradsync train``'s default loss (``gradsync.train.task._logits``),
+    Mirrors ``gradsync train``'s default loss (``gradsync.train.task.build._logits``),
     implemented here so the engine does not import train's machinery: a Mapping
     (a transformers ``ModelOutput`` is one) through its ``"logits"``, an object
     with a ``logits`` attribute through it, a tuple or list through its first

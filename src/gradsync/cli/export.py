@@ -6,7 +6,7 @@ import argparse
 
 
 def register(sub, help_line: str) -> argparse.ArgumentParser:
-    from ..train.export import FORMATS
+    from ..train.checkpoint.export import FORMATS
 
     p = sub.add_parser(
         "export", help=help_line,
@@ -30,7 +30,7 @@ def register(sub, help_line: str) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from ..train.export import export_run
+    from ..train.checkpoint.export import export_run
 
     r = export_run(args.run_dir, args.format, args.dest, model=args.model)
     print(f"gradsync export: step {r.step} of {r.run} ({r.strategy}, {r.precision}; "

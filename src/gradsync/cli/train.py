@@ -35,7 +35,7 @@ _PLAIN = ("NonFiniteError", "StorageError", "InjectedFault", "UnusedParametersEr
 
 
 def register(sub, help_line: str) -> argparse.ArgumentParser:
-    from ..train.flags import add_arguments
+    from ..train.config.flags import add_arguments
 
     p = sub.add_parser(
         "train",
@@ -93,11 +93,11 @@ def _where(cfg, failed: bool = False) -> str:
     """Where the run stands: the last complete checkpoint, if any (after a failure, the
     command continues once its cause is fixed: rerunning a model error repeats it)."""
     from ..rundir import CHECKPOINT
-    from ..train.checkpoint import read_header
+    from ..train.checkpoint.unit import read_unit
 
     ckpt = os.path.join(cfg.out, CHECKPOINT)
     try:
-        header = read_header(ckpt)  # verified: a damaged one is not offered as a step
+        header = read_unit(ckpt)  # verified: a damaged one is not offered as a step
     except UsageError as e:
         return f"no usable checkpoint to continue from: {e}"
     fixed = "once the cause is fixed, " if failed else ""
@@ -128,7 +128,7 @@ def baseline_config(cfg):
 
 def _run_baseline(cfg, model_fn=None, data_fn=None) -> None:
     from ..launch import launch
-    from ..train.loop import run_worker
+    from ..train.worker.loop import run_worker
 
     bcfg = baseline_config(cfg)
     if os.path.exists(os.path.join(bcfg.out, "summary.json")):
@@ -165,11 +165,13 @@ def run(args) -> int:
         from torch.distributed.elastic.multiprocessing import SignalException
 
         from ..rundir import METRICS
-        from ..train.api import launch_workers, preflight, repair_summary, usage_error_of
-        from ..train.faults import FaultInjector
-        from ..train.flags import from_args
-        from ..train.instrument import write_report_safely
-        from ..train.schedule import finished_line
+        from ..train.config.flags import from_args
+        from ..train.launcher.api import launch_workers, usage_error_of
+        from ..train.launcher.preflight import preflight
+        from ..train.records.instrument import write_report_safely
+        from ..train.records.summary import repair_summary
+        from ..train.task.schedule import finished_line
+        from ..train.worker.faults import FaultInjector
 
     global _command_line
     argv = _command_line = list(getattr(args, "argv", None) or sys.argv[1:])

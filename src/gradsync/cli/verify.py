@@ -3,7 +3,7 @@
 Without ``--model`` it runs the worked example (a two-layer tanh regressor, K = 8,
 4096 samples, 200 steps); with ``--model``/``--data`` (the factories ``gradsync
 train`` takes) it runs the same comparison on the user's own model and data
-(``train.verify_factories``), with defaults sized for a real model: 2 workers, 16
+(``checks.factory_exactness``), with defaults sized for a real model: 2 workers, 16
 samples, 3 steps. Flags of the worked example alone (``--d``, ``--hidden``) are
 refused with ``--model``, as ``--sampler`` is.
 """
@@ -106,7 +106,7 @@ def _exactness(args, console: Console) -> int:
 
 
 def _factories(args, console: Console) -> int:
-    from ..train.verify_factories import FactoryCheckConfig, run_factory_check
+    from ..checks.factory_exactness import FactoryCheckConfig, run_factory_check
 
     cfg = FactoryCheckConfig(model=args.model, data=args.data, workers=args.workers,
                              samples=args.n, steps=args.steps, lr=args.lr,

@@ -6,5 +6,5 @@ left, never one to its right (``sharded`` and ``local`` are siblings and import
 neither the other), and nothing here imports ``plan``, ``observe``, ``train`` or
 ``cli``. ``tests/test_layering.py`` holds both rules. Users import the public
 names from ``gradsync`` itself; these paths are the implementation's.
-docs/engine.md describes every module.
+docs/architecture.md describes every module.
 """

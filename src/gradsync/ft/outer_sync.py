@@ -5,7 +5,7 @@ inside and exchange only pseudo-gradients between them (arXiv 2311.08105). Here
 an island is a replica group: its ranks run gradsync's exact ddp for the inner
 steps, and only the outer syncs cross between groups, through torchft's
 ``Manager.allreduce`` over the quorum taken when the sync is due
-(``train/ft_local.py`` decides when, and what a sync that does not commit does).
+(``ft/local_groups.py`` decides when, and what a sync that does not commit does).
 
 Weighting, as in ``engine/local/diloco.py``: each group's pseudo-gradient
 (global copy minus its replica) is multiplied by the items the group trained
@@ -80,7 +80,7 @@ class GroupDiLoCo(DiLoCo):
             f.items += n
 
     def sync_now(self) -> None:
-        """The loop takes the last sync too (``train/ft_local.py``)."""
+        """The loop takes the last sync too (``ft/local_groups.py``)."""
 
     def forget(self) -> None:
         """After healing: nothing trained here since the last sync, and the replica is the

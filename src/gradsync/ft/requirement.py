@@ -21,7 +21,7 @@ def torchft():
 
     torchft logs every quorum at INFO from Rust and a traceback for every peer
     failure it handles; gradsync says what happened in one line instead
-    (``train/ft_step.py``), so both are quieted unless ``GRADSYNC_FT_VERBOSE=1``.
+    (``ft/quorum_step.py``), so both are quieted unless ``GRADSYNC_FT_VERBOSE=1``.
     """
     if os.environ.get(VERBOSE_ENV) != "1":
         os.environ.setdefault("RUST_LOG", "warn")  # read when the Rust extension loads

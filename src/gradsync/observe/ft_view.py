@@ -11,8 +11,8 @@ restart events its launcher wrote. This file turns them into one figure over
 steps, the section's table and the summary table's row. A run whose steps carry
 no ``quorum`` was not fault-tolerant and gets none of them.
 
-Only observe's own inputs are read here (train's closing line for the same
-figures, ``train/ft_step.ft_line``, lies above observe in the layering).
+Only observe's own inputs are read here (the closing table's line for the same
+figures, ``ft/quorum_step.ft_line``, lies above observe in the layering).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def _expected(run: RunData, name: str) -> bool:
     c = run.config
     if name == TRACE:
         return bool(c.get("trace", True) or c.get("trace_steps"))
-    if name == DRIFT:  # where train/instrument.py checks: sync_mode.first_drift_check
+    if name == DRIFT:  # where train/records/instrument.py checks: sync_mode.first_drift_check
         if not c.get("drift_every", 1) or c.get("strategy") == "zero3":
             return False
         first = first_drift_check(c)

@@ -40,7 +40,7 @@ def compressor_text(spec: str) -> str:
 
 
 def first_drift_check(config: dict) -> int | None:
-    """The step of a run's first replica check, if before its end (train/instrument.py):
+    """The step of a run's first replica check, if before its end (train/records/instrument.py):
     every ``--drift-every`` steps; DiLoCo after each sync (every ``--sync-every``);
     streaming DiLoCo only at the end (None); ``--drift-every 0`` or zero3 never (None);
     a synchronous warm-up (``--sync-warmup``) from step 1."""

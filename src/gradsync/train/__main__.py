@@ -20,17 +20,17 @@ import traceback
 from .. import dist as gdist
 from ..errors import GradsyncError, UsageError
 from ..heap import keep_freed_memory
-from .faults import FaultInjector
-from .flags import add_arguments, from_args
-from .loop import run_worker
+from .config.flags import add_arguments, from_args
+from .worker.faults import FaultInjector
+from .worker.loop import run_worker
 
 
 def _continue_hint(out: str) -> str:
     from ..rundir import CHECKPOINT
-    from .checkpoint import read_header
+    from .checkpoint.unit import read_unit
 
     try:
-        header = read_header(os.path.join(out, CHECKPOINT))  # verified, never "step None"
+        header = read_unit(os.path.join(out, CHECKPOINT))  # verified, never "step None"
     except UsageError as e:
         return f"gradsync.train: no usable checkpoint to continue from: {e}"
     where = f"from step {header['step']}" if header else "from the start (no checkpoint yet)"
@@ -61,7 +61,7 @@ def _lost_a_peer(e: BaseException) -> str | None:
 
 def main(argv=None, callbacks=None) -> int:
     """Parse the flags and train this rank. ``callbacks``: ``gs.Callback`` objects for
-    rank 0 (``callbacks.py``), for a script that wraps this entry point under torchrun
+    rank 0 (``records/callbacks.py``), for a script that wraps this entry point under torchrun
     (the slow-link benchmark counts the bytes on its link after every step)."""
     parser = argparse.ArgumentParser(prog="python -m gradsync.train",
                                      description="gradsync training worker (run under torchrun)")

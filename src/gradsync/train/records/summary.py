@@ -1,0 +1,168 @@
+"""The end of a run: summary.json, the closing table, the memory report, report.html.
+
+Also a finished run's lost or damaged summary.json, given back from its metrics
+(:func:`repair_summary`): the launcher and rank 0 of a worker group both say "already
+finished" and repair it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from ...engine.strategy.inexact import LocalUpdateStrategy
+from ...ft.quorum_step import ft_figures, ft_line
+from ...observe.traffic import run_traffic, traffic_line
+from ...rundir import METRICS, SUMMARY, Summary, read_metrics, sync_description, write_json
+from ..worker.session import Session
+from .instrument import drift_line, write_report_safely
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    steady = sorted(values[min(3, len(values) - 1):])
+    return steady[len(steady) // 2]
+
+
+def _skipped(sess: Session) -> list[int]:
+    """Steps whose update was skipped over the whole run (all attempts), from metrics.jsonl."""
+    rows, _ = read_metrics(os.path.join(sess.cfg.out, METRICS))
+    return sorted({r["step"] for r in rows if r.get("skipped")} | set(sess.skipped))
+
+
+def gradient_bytes(strategy) -> list[int] | None:
+    """What an exact all-reduce of one step's gradients reduces: each bucket's bytes, or the
+    whole trainable gradient for a local-update run (no buckets); None for zero3, whose
+    units reduce per wrapped module and record no bytes sent."""
+    if strategy.bucket_plan:
+        return [int(b.nbytes) for b in strategy.bucket_plan]
+    if isinstance(strategy, LocalUpdateStrategy):
+        return [sum(p.numel() * p.element_size() for p in strategy.module.parameters()
+                    if p.requires_grad)]
+    return None
+
+
+def build_summary(sess: Session) -> Summary:
+    cfg, strategy = sess.cfg, sess.strategy
+    median = _median(sess.step_times)
+    tuned = strategy.autotune_result
+    mem = sess.memory or strategy.memory_report()
+    per_step_items = None
+    if sess.unit == "tokens" and median and sess.items_per_step:
+        per_step_items = sess.items_per_step / median
+    summary = Summary(
+        model=cfg.model, data=cfg.data, strategy=cfg.strategy, precision=cfg.precision,
+        optimizer=cfg.optimizer_name, seed=cfg.seed, steps=cfg.steps, world_size=sess.world,
+        accumulation=sess.accum, global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
+        final_loss=sess.last_loss, final_eval_loss=sess.last_eval,
+        resumed_from=sess.start_step, world_sizes=list(sess.world_sizes),
+        median_step_s=median, samples_per_s=cfg.global_batch / median if median else None,
+        tokens_per_s=per_step_items, train_wall_s=time.perf_counter() - sess.loop_started,
+        total_wall_s=time.perf_counter() - sess.started, checkpoint=sess.ckpt_path,
+        buckets=len(strategy.bucket_plan), bucket_cap_mb=strategy.bucket_cap_mb,
+        skipped_steps=_skipped(sess), memory=dataclasses.asdict(mem),
+        drift=sess.inst.drift, traced_steps=list(sess.inst.window) if sess.inst.window else None,
+        autotune=None if tuned is None else {"candidates_mb": tuned.candidates_mb,
+                                             "median_s": tuned.median_s,
+                                             "chosen_mb": tuned.chosen_mb})
+    summary.gradient_bytes = gradient_bytes(strategy)
+    summary.collectives = getattr(strategy, "collectives", None)
+    rows, _ = read_metrics(os.path.join(cfg.out, METRICS))  # every attempt's steps
+    if sess.ft:
+        summary.fault_tolerance = ft_figures(sess, rows)
+    traffic = run_traffic(rows, summary.gradient_bytes)
+    if traffic is not None:
+        summary.sent_bytes, summary.exact_bytes = traffic.sent, traffic.exact
+    if sess.baseline_rate and summary.samples_per_s:
+        summary.baseline_samples_per_s = sess.baseline_rate
+        summary.scaling_efficiency = summary.samples_per_s / (sess.world * sess.baseline_rate)
+    return summary
+
+
+def _f(v, spec: str, unit: str = "") -> str:
+    return "-" if v is None else f"{format(v, spec)}{unit}"
+
+
+def finish(sess: Session) -> dict | None:
+    """Rank 0: write summary.json, print the table and memory, draw the report."""
+    if sess.rank != 0:
+        return None
+    cfg, s = sess.cfg, build_summary(sess)
+    write_json(os.path.join(cfg.out, SUMMARY), s.to_json())
+    tuned = sess.strategy.autotune_result
+    rate = s.tokens_per_s if sess.unit == "tokens" else s.samples_per_s
+    sizes = " -> ".join(map(str, s.world_sizes))
+    rows = [
+        ("final loss", _f(s.final_loss, ".4f")),
+        ("final eval loss", _f(s.final_eval_loss, ".4f") if cfg.eval_every else "off"),
+        (f"throughput ({sess.unit}/s, median step)", _f(rate, ",.0f")),
+        ("median step time", _f(s.median_step_s and s.median_step_s * 1e3, ".1f", " ms")),
+        ("workers x accumulation", f"{s.world_size} x {s.accumulation}"
+         + (f" (workers over the run: {sizes})" if len(s.world_sizes) > 1 else "")),
+        ("strategy / precision / optimizer", f"{s.strategy} / {s.precision} / {s.optimizer}"),
+        ("synchronisation", sync_description(cfg.to_dict(), s.collectives)),
+        ("seed", str(s.seed)),
+        ("scaling efficiency vs 1 worker",
+         f"{s.scaling_efficiency:.0%}" if s.scaling_efficiency
+         else "n/a (1 worker)" if s.world_size == 1 else "(run with --baseline)"),
+        ("bytes sent (rank 0)", _traffic_line(cfg, s)),
+        ("drift check", drift_line(sess.inst.drift)
+         if sess.strategy.replicated or isinstance(sess.strategy, LocalUpdateStrategy)
+         else f"n/a ({sess.strategy.not_replicated_because})"),
+        ("gradient buckets", _buckets_line(s, tuned)),
+        ("straggler balancing", _balance_line(sess)),
+        ("wall time", f"{s.total_wall_s:.1f} s"),
+        ("checkpoint", sess.ckpt_path),
+    ]
+    if s.fault_tolerance:
+        rows.insert(-2, ("fault tolerance", ft_line(s.fault_tolerance)))
+    if s.resumed_from:
+        rows.insert(-1, ("resumed from step", str(s.resumed_from)))
+    if s.skipped_steps:
+        rows.insert(1, ("skipped steps (non-finite)", ", ".join(map(str, s.skipped_steps))))
+    sess.display.summary(rows, title=f"gradsync train: {cfg.model} on {cfg.data} "
+                                     f"({cfg.strategy}, {cfg.precision})")
+    mem = sess.memory or sess.strategy.memory_report()
+    sess.display.console.print(mem.render(), highlight=False)
+    if not cfg.no_report:
+        write_report_safely(cfg.out)
+    return s.to_json()
+
+
+def _traffic_line(cfg, s: Summary) -> str:
+    rows, _ = read_metrics(os.path.join(cfg.out, METRICS))
+    return traffic_line(run_traffic(rows, s.gradient_bytes), cfg.strategy)
+
+
+def _balance_line(sess: Session) -> str:
+    """What --balance did over the whole run (every attempt), from metrics.jsonl."""
+    cfg = sess.cfg
+    if cfg.balance == "off":
+        return "off"
+    if not cfg.balanced:
+        return "off (only with --sync exact and no --compress)"
+    rows, _ = read_metrics(os.path.join(cfg.out, METRICS))
+    uneven = [r for r in rows if len(set(r.get("share_by_rank") or [0])) > 1]
+    if not uneven:
+        return "on; even split throughout (no rank measured slower)"
+    saved = sum(r.get("balance_saved_s") or 0.0 for r in uneven)
+    return (f"{len(uneven)} of {len(rows)} steps uneven (last {uneven[-1]['share_by_rank']}); "
+            f"saved {saved:.2f} s")
+
+
+def _buckets_line(s, tuned) -> str:
+    if s.buckets:
+        return (f"{s.buckets} (cap {s.bucket_cap_mb:.2f} MiB"
+                + (", auto-tuned)" if tuned and tuned.chosen_mb else ")"))
+    return "per wrapped unit (zero3)" if s.strategy == "zero3" else "none (not bucketed)"
+
+
+def repair_summary(out: str) -> None:
+    """A finished run whose summary.json is corrupt or lost gets it back (from its metrics)."""
+    from ...observe.run_data import repair_summary as repair
+
+    note = repair(out)
+    if note:
+        print(f"gradsync train: {note}", flush=True)

@@ -1,0 +1,226 @@
+"""One optimizer step of `gradsync train`, and the held-out evaluation.
+
+A step draws its global batch from the :class:`StepSampler`; the
+:class:`~gradsync.data.balance.ShareBalancer` deals it over the ranks (evenly,
+``block[r::K]``, unless ``--balance`` measured a rank slower and handed it fewer
+samples) and this rank cuts its part into ``accumulation`` micro-batches; runs all but
+the last micro-batch under ``no_sync()`` and calls ``backward(loss,
+num_items=n)``, so the gradient is the exact mean over every item of the global
+batch. Then, before the optimizer may touch anything: the global gradient norm
+(clipped to ``--clip`` when it is set; off by default, as in torch DDP, but always
+measured: the NaN guard reads it) and one all-gather of every rank's loss sum, item count,
+gradient norm and step figures. Every rank so learns the exact global mean loss
+and whether any rank saw a NaN or inf -- and decides alike: ``--on-nonfinite
+stop`` raises on every rank before the update (no checkpoint can hold a diverged
+model), ``skip-step`` drops the update on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Mapping
+
+import torch
+
+from ...engine.transport import comm, tracing
+from ...errors import GradsyncError
+from ...ft import quorum_step
+from ...rundir import StepRecord
+from ..task.eval_metrics import metric_sums, metric_values
+from ..worker.session import Session
+
+
+class NonFiniteError(GradsyncError):
+    """A NaN or inf loss or gradient norm; raised on every rank before the update."""
+
+
+def _nonfinite(stats: torch.Tensor, step: int) -> str | None:
+    for col, what in ((0, "loss"), (2, "gradient norm")):
+        values = [float(v) for v in stats[:, col]]
+        ranks = [r for r, v in enumerate(values) if not math.isfinite(v)]
+        if ranks:
+            return (f"non-finite {what} ({values[ranks[0]]}) at step {step} on rank(s) "
+                    f"{', '.join(map(str, ranks))}")
+    return None
+
+
+def _to(obj, device):
+    """Tensors moved to ``device`` inside tuples, lists and dicts (a batch, an input)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, Mapping):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to(v, device) for v in obj)
+    return obj
+
+
+def _forward(model, x):
+    """``model(**x)`` for a dict input (transformers' convention), else ``model(x)``."""
+    return model(**x) if isinstance(x, Mapping) else model(x)
+
+
+def run_step(sess: Session, step: int) -> StepRecord | None:
+    """Train step ``step`` (1-based); rank 0 also writes its metrics line.
+
+    Across replica groups (``sess.ft``, ``ft/quorum_step.py``) the step's samples are dealt
+    over the quorum and the gradient summed over it; None: the quorum did not
+    commit (a group failed), nothing was updated and the sampler is back where it
+    was, so the next quorum takes the same step on the same samples.
+    """
+    cfg, strategy, task = sess.cfg, sess.strategy, sess.task
+    model = strategy.model
+    sess.inst.begin_step(step)
+    t0 = time.perf_counter()
+    before = sess.sampler.state_dict() if sess.ft else None
+    block = sess.sampler.next_block()
+    if sess.ft:
+        share, micro = quorum_step.share(sess, block)
+    else:
+        share = sess.balancer.split(block)[sess.rank]
+        micro = sess.balancer.micro_batches(share)
+    loss_sum, items = 0.0, 0
+    for k, idx in enumerate(micro):
+        last = k == len(micro) - 1
+        poison = last and sess.faults.at_step(sess.rank, step, model.module)
+        sess.slowdown.before_micro_batch()
+        x, y = _to(task.collate(task.data.train, idx), sess.device)
+        n = task.items(x, y)
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss = task.data.loss_fn(_forward(model, x), y)
+            if poison:
+                loss = loss * float("nan")
+            model.backward(loss, num_items=n)
+        if n:  # a micro-batch of padding only: its loss is 0/0 and counts for nothing
+            loss_sum += float(loss.detach()) * n
+        items += n
+        sess.slowdown.after_micro_batch(step)
+    busy = sess.inst.busy_s(t0)
+    with tracing.span("optimizer"):
+        sums = quorum_step.reduce(sess, items, loss_sum) if sess.ft else None
+        norm = float(strategy.clip_grad_norm_(cfg.clip))
+        stats = sess.inst.gather_stats(loss_sum, float(items), norm, len(share), busy)
+        total_items = sums.items if sums else float(stats[:, 1].sum())
+        global_loss = (sums.loss_sum if sums else float(stats[:, 0].sum())) / max(total_items, 1)
+        lr = strategy.optimizer.param_groups[0]["lr"]
+        problem = _nonfinite(stats, step)
+        if sums and problem is None and not math.isfinite(global_loss):
+            problem = f"non-finite loss ({global_loss}) at step {step} in another replica group"
+        if sess.ft and not sess.ft.commit():  # a group failed: redo, same samples, next quorum
+            sess.sampler.load_state_dict(before)
+            strategy.optimizer.zero_grad(set_to_none=True)
+            return None
+        if problem is None:
+            strategy.optimizer.step()
+            strategy.after_step(int(total_items))
+        elif cfg.on_nonfinite == "skip-step":
+            sess.skipped.append(step)
+        if step == cfg.steps:
+            strategy.finish()
+        sess.sched.step()  # a skipped step still counts: the schedule follows step numbers
+        if step == cfg.steps:  # the summary's report: the step at its fullest,
+            sess.memory = strategy.memory_report()  # gradients and optimizer state both held
+        strategy.optimizer.zero_grad(set_to_none=True)
+    step_s = time.perf_counter() - t0
+    sess.step_times.append(step_s)
+    figures = sess.inst.step_figures(stats, step_s)  # the step's own, before any evaluation
+    saved = balance(sess, step, figures["share_by_rank"], figures["busy_s_by_rank"])
+    sess.inst.end_step(step)
+    stop = problem is not None and cfg.on_nonfinite == "stop"
+    eval_loss, eval_metrics = (None, None) if stop else maybe_evaluate(sess, step)
+    sess.last_loss = global_loss
+    sess.items_per_step = int(total_items)
+    rate = total_items / step_s
+    world = sess.world * sess.ft.current.size if sess.ft else sess.world
+    report = strategy.step_report()
+    rec = StepRecord(step=step, loss=global_loss, lr=lr, items=int(total_items),
+                     world_size=world, grad_norm=norm if problem is None else None,
+                     skipped=problem is not None, eval_loss=eval_loss,
+                     eval_metrics=eval_metrics,
+                     time_s=time.perf_counter() - sess.loop_started, unix_time=time.time(),
+                     samples_per_s=cfg.global_batch / step_s,
+                     tokens_per_s=rate if sess.unit == "tokens" else None,
+                     balance_saved_s=saved, **figures,
+                     **(quorum_step.record(sess, report) if sess.ft else report))
+    if sess.baseline_rate:
+        rec.scaling_efficiency = rec.samples_per_s / (sess.world * sess.baseline_rate)
+    if sess.rank == 0:
+        sess.writer.write(rec)
+        sess.display.update(step, global_loss, rate, step_s, eval_loss)
+        if problem is not None and not stop:
+            sess.display.say(f"gradsync train: {problem}: update skipped on every rank")
+    if stop:
+        last = sess.last_checkpoint
+        where = (f"the last checkpoint (step {last}) is intact" if last else
+                 "no checkpoint had been written yet")
+        raise NonFiniteError(f"{problem}; stopped before the optimizer update, so no checkpoint "
+                             f"holds it and {where}. If the loss was finite before, lower "
+                             "--lr; else look for NaN/inf in the data or the model (or pass "
+                             "--on-nonfinite skip-step), then run the same command again")
+    return rec
+
+
+def balance(sess: Session, step: int, shares: list[int], busy: list[float]) -> float | None:
+    """Feed the step's measured shares and busy times to the balancer (every rank alike).
+
+    Returns the seconds the split saved against the even one (None when not
+    balancing); a changed split, applied from the next step, is announced.
+    """
+    if sess.ft or not sess.balancer.enabled:
+        return None
+    if sess.balancer.observe(step, shares, busy) and sess.display:
+        rates = ", ".join(f"{r:.0f}" for r in sess.balancer.last_rates)
+        sess.display.say(f"gradsync train: from step {step + 1} the ranks take "
+                         f"{sess.balancer.counts} samples (measured {rates} samples/s)")
+    return sess.balancer.saved_s
+
+
+def maybe_evaluate(sess: Session, step: int) -> tuple[float | None, dict | None]:
+    """(held-out loss, metrics) on an evaluation step, else (None, None)."""
+    every = sess.cfg.eval_every
+    if not every or sess.task.data.eval is None:
+        return None, None
+    if step % every and step != sess.cfg.steps:
+        return None, None
+    sess.last_eval, metrics = evaluate(sess)
+    return sess.last_eval, metrics if sess.task.data.metrics else None
+
+
+@torch.no_grad()
+def evaluate(sess: Session) -> tuple[float | None, dict[str, float]]:
+    """The exact mean loss over the whole held-out set, the same number on every rank,
+    and ``TrainData.metrics`` over it (``task/eval_metrics.py``), in the same all-reduce.
+
+    Rank ``r`` takes samples ``r, r + K, ...``, a training step's share at a time
+    (no activations are kept for backward, so a forward of that size fits); every
+    rank runs the same number of forwards (ZeRO-3 gathers parameters inside
+    forward, a collective), a rank with nothing left running one on sample 0 that
+    counts for nothing.
+    """
+    data, task, model = sess.task.data.eval, sess.task, sess.strategy.model
+    metrics = task.data.metrics
+    mine = list(range(sess.rank, len(data), sess.world))
+    m = sess.cfg.global_batch // sess.world
+    rounds = math.ceil(math.ceil(len(data) / sess.world) / m)
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2 + 2 * len(metrics or ()), dtype=torch.float64)
+    try:
+        for r in range(rounds):
+            idx = mine[r * m:(r + 1) * m]
+            x, y = _to(task.collate(data, idx or [0]), sess.device)
+            out = _forward(model, x)  # every rank, every round (see above)
+            n = task.items(x, y) if idx else 0
+            if n:  # none: nothing left here, or padding only (its loss is 0/0)
+                total[:2] += torch.tensor([float(task.data.loss_fn(out, y)) * n, n],
+                                          dtype=torch.float64)
+            if idx and metrics:
+                total[2:] += torch.tensor(metric_sums(metrics, out, y), dtype=torch.float64)
+    finally:
+        model.train(was_training)
+    total = total.to(sess.device)
+    comm.all_reduce(total, tag="eval_loss")
+    loss = float(total[0] / total[1]) if total[1] > 0 else None  # None: no held-out items
+    return loss, metric_values(metrics, total[2:].cpu())

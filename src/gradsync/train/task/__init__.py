@@ -1,0 +1,11 @@
+"""What a run trains: the model, its data, the loss and what an item is, the optimizer and schedule.
+
+``build.py`` turns ``--model``/``--data`` (a built-in name or the user's factory) into one
+:class:`~gradsync.train.task.build.Task`, and holds the data contract users write to,
+:class:`~gradsync.train.task.build.TrainData`; ``conventions.py`` how a sample and a
+model's output are read (pairs, transformers' dicts and ``labels``); ``eval_metrics.py``
+the held-out metrics' contract; ``builtins.py`` the built-in datasets and optimizers by
+name; ``optim.py`` the optimizer factory and the strategy built with it; ``loader.py``
+factories that take arguments, by name; ``schedule.py`` the built-in learning-rate
+schedule and what a continued run does with it.
+"""

@@ -1,0 +1,102 @@
+"""The training loop every worker runs: under `gradsync train`, `torchrun -m gradsync.train`
+or :func:`gradsync.train`.
+
+Three parts, one file each: ``worker/setup.py`` builds the :class:`Session` (run
+directory, lock, resume decision, strategy, restored state), :func:`run_step`
+(``step/train_step.py``) takes one optimizer step, exact over the global batch and
+guarded against NaN, and :func:`finish` (``records/summary.py``) ends the run
+(summary.json, table, report). Between steps, here: the bucket plan for the report,
+the drift check, checkpoints, a fault injector's clean stop, and rank 0's callbacks
+(``records/callbacks.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+
+from ...ft.quorum_step import announce
+from ..checkpoint.state import save
+from ..config.train_config import TrainConfig
+from ..records.callbacks import Callbacks
+from ..records.summary import finish
+from ..step.train_step import run_step
+from ..task.loader import given
+from .faults import FaultInjector
+from .session import Session
+from .setup import setup
+
+
+def _between_steps(sess: Session, step: int) -> bool:
+    """Plan, drift, checkpoint after step ``step``; True: stop here (a clean preemption)."""
+    cfg = sess.cfg
+    if step in (sess.start_step + 1, cfg.steps) or (sess.inst.window and
+                                                    step == sess.inst.window[1]):
+        sess.inst.write_plan(sess.strategy)
+    sess.inst.maybe_check_drift(step, sess.strategy)  # it knows where replicas must agree
+    stop = sess.faults.stop_after(step)
+    if step == cfg.steps or stop or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+        save(sess, step)
+        sess.last_checkpoint = step
+    return stop
+
+
+def train_session(sess: Session, callbacks=None) -> dict | None:
+    """Run the steps left and finish; rank 0 returns the summary (a dict), others None."""
+    cfg = sess.cfg
+    hooks = Callbacks(callbacks, sess.rank)
+    sess.loop_started = time.perf_counter()
+    with sess.display if sess.display else contextlib.nullcontext():
+        step = sess.start_step + 1
+        while step <= cfg.steps:
+            if sess.ft:  # this step's quorum; a group that was behind heals and jumps ahead
+                step = sess.ft.begin().step
+                if step > cfg.steps:
+                    break
+            rec = run_step(sess, step)
+            if sess.ft:
+                announce(sess, sess.ft.current, rec is not None)
+            if rec is None:  # the quorum did not commit: the same step again
+                continue
+            step += 1
+            if getattr(sess.ft, "local", False):  # DiLoCo across groups: its sync, when due
+                sess.ft.after_step(rec.step)
+            hooks.step_ended(sess, rec)
+            stop = _between_steps(sess, rec.step)
+            if sess.last_checkpoint == rec.step:
+                hooks.saved(sess, rec)
+            if stop:
+                if sess.display:
+                    sess.display.say(f"gradsync train: stopped after step {rec.step} (checkpoint "
+                                     "saved); run the same command again to continue")
+                return None
+    return finish(sess)
+
+
+def run_worker(cfg_dict: dict, model_fn=None, data_fn=None, faults: FaultInjector | None = None,
+               prepared: bool = False, factories: dict | None = None,
+               callbacks: list | None = None) -> dict | None:
+    """Train on this rank; rank 0 returns the run summary (a dict), the others ``None``.
+
+    ``model_fn``/``data_fn`` override ``--model``/``--data`` (see ``train/task/build.py`` for
+    their contracts). ``prepared``: the launching process checked the run directory,
+    verified the checkpoint and holds the lock (see ``train/launcher/preflight.py``). ``factories``:
+    ``--optimizer``/``--scheduler`` names given from Python as objects
+    (``task/loader.py``); ``callbacks``: run on rank 0 (``records/callbacks.py``).
+    """
+    cfg = TrainConfig(**cfg_dict)
+    given(factories or {})
+    previous = signal.getsignal(signal.SIGTERM)  # setup makes SIGTERM unwind like Ctrl-C
+    try:
+        sess = setup(cfg, model_fn, data_fn, faults, prepared)
+        if sess is None:  # already finished: nothing to do, nothing written
+            return None
+        try:
+            return train_session(sess, callbacks)
+        finally:
+            sess.close()
+    finally:
+        # Not past the loop: a SIGTERM during interpreter exit raised KeyboardInterrupt
+        # inside an atexit callback ("Exception ignored in atexit callback").
+        signal.signal(signal.SIGTERM, previous)

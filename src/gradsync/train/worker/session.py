@@ -1,0 +1,79 @@
+"""What one worker holds for a run: :class:`Session`, built by ``setup.py``, read by the rest.
+
+The step, the loop, checkpoints, the summary and the quorum all take the session; a
+module that only reads it imports this file, never the setup that builds it (which
+needs most of ``train/``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ...data.balance import ShareBalancer
+from ...data.parted_sampler import PartedStepSampler
+from ...data.sampler import StepSampler
+from ...engine.strategy.base import Strategy
+from ...rundir import MetricsWriter
+from ..checkpoint.guard import RunLock
+from ..checkpoint.state import ResumePlan
+from ..config.train_config import TrainConfig
+from ..records.instrument import Instruments
+from ..records.progress import RunDisplay
+from ..step.straggler import Slowdown
+from ..task.build import Task
+from .faults import FaultInjector
+
+
+@dataclass
+class Session:
+    """Everything one worker holds for a run (built by :func:`setup`)."""
+
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    backend: str
+    accum: int
+    task: Task
+    strategy: Strategy
+    sampler: StepSampler | PartedStepSampler  # --data-parts P > 1: parted (non-IID)
+    sched: torch.optim.lr_scheduler.LRScheduler
+    faults: FaultInjector
+    inst: Instruments
+    plan: ResumePlan
+    ckpt_path: str
+    started: float
+    start_step: int = 0
+    world_sizes: list[int] = field(default_factory=list)
+    lock: RunLock | None = None
+    writer: MetricsWriter | None = None
+    display: RunDisplay | None = None
+    baseline_rate: float | None = None
+    last_loss: float | None = None
+    last_eval: float | None = None
+    step_times: list[float] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    memory: object = None
+    loop_started: float = 0.0
+    last_checkpoint: int | None = None
+    items_per_step: int = 0
+    balancer: ShareBalancer | None = None  # each step's split (step/train_step.py)
+    slowdown: Slowdown | None = None  # --straggler: this rank's emulated slowness
+    ft: object = None  # --ft-group: this rank's ReplicaGroup (ft/replica.py, ft/quorum_step.py)
+
+    @property
+    def unit(self) -> str:
+        return self.task.data.item_name or "samples"
+
+    def close(self) -> None:
+        if self.ft:
+            self.ft.shutdown()
+        self.inst.close()
+        if self.slowdown:
+            self.slowdown.close()
+        if self.writer:
+            self.writer.close()
+        if self.lock:
+            self.lock.release()
