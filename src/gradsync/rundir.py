@@ -102,6 +102,7 @@ class StepRecord:
     lost_s: float | None = None
     quorum_s: float | None = None
     healed: bool | None = None
+    host_reads: int | None = None  # GRADSYNC_HOST_READS=1: device values read (observe/host_reads)
 
     def to_json(self) -> dict:
         return _drop_none(asdict(self), keep=("loss", "grad_norm"))

@@ -40,6 +40,7 @@ class BucketReduction:
     """
 
     piggyback = False
+    repointed: frozenset | set = frozenset()  # parameters whose None .grad became a view
     owns_shards = False  # keeps state no other rank holds (ZeRO): join() needs its step
     exact_sum = False  # sums exactly (whole numbers survive): slots may ride in buckets
 
@@ -122,9 +123,17 @@ class AllReduceBuckets(BucketReduction):
         dp = self.dp
         self._aside = {}
         self._none = {i for i, p in enumerate(dp.trainable_params) if p.grad is None}
+        self.repointed = set()
         for b in dp.buckets:
             grads = [p.grad for p in b.params]
             if all(g is None for g in grads):
+                if b.zeroed and b.buffer.untyped_storage().nbytes():
+                    # zeroed in place by zero_grad(set_to_none=True): autograd accumulates
+                    # straight into the views (no fresh gradient, no copy into the bucket);
+                    # a parameter no rank uses goes back to None at the sync (_none)
+                    for i, p, view in zip(b.spec.params, b.params, b.views):
+                        p.grad = view
+                        self.repointed.add(i)
                 continue
             if all(g is v for g, v in zip(grads, b.views)) and (
                     b.zeroed or not bool(b.buffer[:b.spec.numel].any())):
@@ -140,6 +149,8 @@ class AllReduceBuckets(BucketReduction):
     def take_back(self) -> None:
         """No parameter joined the pass: nothing was written; restore the same tensors."""
         params = self.dp.trainable_params
+        for i in self._none:  # re-pointed at a zeroed view by set_aside: None, as it was
+            params[i].grad = None
         for i, (g, _copy) in self._aside.items():
             params[i].grad = g
         self._aside = {}

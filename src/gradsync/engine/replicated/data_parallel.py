@@ -120,6 +120,10 @@ class DataParallel(GradientArrivals, DDPMethods, BucketAccess, SyncedModule):
         self.topology = getattr(self._reduction, "topology", None) or topology
         self._arrivals = Arrivals(self._names, ddp_keywords.get("static_graph", False))
         self._used = [False] * len(self._params)  # over the open window, this rank
+        self._written = [False] * len(self._params)  # a gradient accumulated in the window
+        # gradients autograd wrote outside their bucket and the hook then copied in (a
+        # fresh .grad after zero_grad(set_to_none=True) without the model's zero_grad)
+        self.grad_copies = 0
         self._held: dict[int, torch.Tensor] | None = None  # during an empty rank's pass
         self._pass_t0 = 0.0
         self._install(self._layout.plan())
@@ -197,12 +201,15 @@ class DataParallel(GradientArrivals, DDPMethods, BucketAccess, SyncedModule):
     def _trainable(self) -> list[bool]:
         return [p.requires_grad for p in self._params]
 
-    def _pass_may_start(self) -> None:
+    def _pass_may_start(self, i: int, defined: bool) -> None:
         """Before a gradient is accumulated (``sync/accumulators.py``)."""
         if not self._in_pass:
             self._start_pass()
+        if defined:
+            self._written[i] = True
 
     def _set_aside(self) -> None:
+        self._written = [False] * len(self._params)  # per window, as the views re-pointed
         self._reduction.set_aside()
 
     def _take_back(self) -> None:
@@ -243,6 +250,7 @@ class DataParallel(GradientArrivals, DDPMethods, BucketAccess, SyncedModule):
         self._reduction.complete(divisor, used)
         for b in self._layout.buckets:
             b.reset()
+            b.zeroed = False  # it holds the global sum now, also where this rank added nothing
         order = self._arrivals.close()
         if order is not None:
             self._relayout(self._layout.rebuild(order))

@@ -2,8 +2,9 @@
 
 A post-accumulate-grad hook per parameter (DDP paper, arXiv 2006.15704, section
 3.2) runs when autograd has finished that parameter's gradient in this
-backward. On the hot path the gradient already lives in its bucket view (or is
-copied into it once, after ``zero_grad(set_to_none=True)``); when the bucket's
+backward. On the hot path the gradient already lives in its bucket view (the
+reduction re-points a ``.grad`` that ``zero_grad(set_to_none=True)`` left None at its
+zeroed view when the window opens; else it is copied in once); when the bucket's
 last gradient has landed, the layout launches every ready bucket in index order.
 The unusual arrivals -- an undefined gradient, a rank without data replaying
 zeros, an empty rank's graph whose arrivals count only when finite -- go through
@@ -31,6 +32,8 @@ class GradientArrivals:
                 self._join()
             bucket, slot = where(i)
             grad = param.grad
+            if i in self._reduction.repointed and not self._written[i]:
+                grad = param.grad = None  # its zeroed view, and nothing accumulated into it
             if grad is not None and grad.layout != torch.strided:
                 # a sparse gradient (nn.Embedding(sparse=True)) is summed dense: the same
                 # values as torch DDP's sparse all-reduce; ``.grad`` comes back dense
@@ -42,6 +45,7 @@ class GradientArrivals:
                 if grad is not bucket.views[slot]:
                     self._reduction.ensure(bucket)
                     bucket.adopt(slot)
+                    self.grad_copies += 1
                 self._used[i] = True
             if not self._syncing or not self._arrivals.arrive(i):
                 return

@@ -9,6 +9,8 @@ sharded run clips exactly as one process on the whole batch does.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...errors import UsageError
@@ -19,7 +21,9 @@ def clip_grad_norm_(target, max_norm: float, norm_type: float = 2.0) -> torch.Te
     """Clip the gradient of ``target`` to global norm ``max_norm``; return the norm.
 
     ``target``: a ZeroOptimizer, a FullyShardedDataParallel, a DataParallel or any
-    module/iterable of parameters (then torch's own function is used).
+    module/iterable of parameters (then torch's own function is used). An infinite
+    ``max_norm`` only measures: no gradient is rewritten (torch's function would
+    multiply every gradient by 1.0, a pass over all of them each step).
     """
     if float(norm_type) != 2.0:
         raise ValueError("gradsync.clip_grad_norm_ supports norm_type=2 only")
@@ -31,6 +35,8 @@ def clip_grad_norm_(target, max_norm: float, norm_type: float = 2.0) -> torch.Te
             raise UsageError(f"clip_grad_norm_ takes a model, a ZeroOptimizer or parameters, "
                              f"not a {type(target).__name__}: pass the model")
         params = target.parameters() if hasattr(target, "parameters") else target
+        if math.isinf(max_norm):
+            return _total_norm([p.grad for p in params if p.grad is not None])
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     grads = [g for g in shards_fn() if g is not None]
     if not grads:
@@ -40,7 +46,18 @@ def clip_grad_norm_(target, max_norm: float, norm_type: float = 2.0) -> torch.Te
         acc += g.double().pow(2).sum()
     comm.all_reduce(acc, target.group, tag="clip_norm")
     total = acc.sqrt()
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+    if not math.isinf(max_norm):
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
     return total.to(grads[0].dtype).squeeze(0)
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm over ``grads``, as torch's clip_grad_norm_ computes it (the same number)."""
+    if not grads:
+        return torch.tensor(0.0)
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+    if get_total_norm is not None:
+        return get_total_norm(grads, 2.0)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))

@@ -84,6 +84,12 @@ class Strategy:
         limit = math.inf if not max_norm else float(max_norm)
         return _clip(self._clip_target(), limit)
 
+    def zero_grad(self) -> None:
+        """After a step: every gradient to None, as ``optimizer.zero_grad(set_to_none=True)``
+        (what the training loop calls; a strategy whose gradients live in buckets zeroes
+        them in place as well, so the next backward writes into them without a copy)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
     def after_step(self, num_items: int) -> None:
         """Called after every optimizer step (not after a skipped one), on every rank.
 

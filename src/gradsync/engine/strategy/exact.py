@@ -27,6 +27,16 @@ from .base import Strategy
 class DataParallelStrategy(Strategy):
     """``ddp``: replicate everything (bf16: fp32 master copy, MixedPrecisionOptimizer)."""
 
+    def zero_grad(self) -> None:
+        """The buckets zeroed in place and ``.grad`` None (DataParallel.zero_grad): the
+        next backward re-points every ``.grad`` at its zeroed view and autograd
+        accumulates into the bucket. The optimizer's own ``zero_grad(set_to_none=True)``
+        alone dropped the views, and every gradient was then allocated afresh and copied
+        into its bucket, each step."""
+        self.model.zero_grad(set_to_none=True)
+        if not isinstance(self.optimizer, MixedPrecisionOptimizer):  # its zero_grad is that
+            self.optimizer.zero_grad(set_to_none=True)
+
     def step_report(self) -> dict:
         """Bytes on the wire per synchronised step: the bandwidth-optimal 2 (N-1)/N of every
         bucket (a ring all-reduce's, or a two-level one's across the slowest link)."""

@@ -18,16 +18,20 @@ from collections.abc import Callable
 import torch
 
 
-def hook_accumulators(params, before: Callable[[], None]) -> tuple[list, list]:
-    """Register ``before()`` on the gradient accumulator of every trainable parameter.
+def hook_accumulators(params, before: Callable[[int, bool], None]) -> tuple[list, list]:
+    """Register ``before(i, defined)`` on the gradient accumulator of every trainable
+    parameter ``i``: ``defined`` says whether a gradient is about to be accumulated
+    (False for an undefined one), which ``.grad`` cannot say once it is a bucket view
+    autograd writes into.
 
     Returns (the accumulator nodes, to keep alive; the removable handles).
     """
     nodes, handles = [], []
     with torch.enable_grad():  # a wrapper built under no_grad still needs the nodes
-        for p in params:
+        for i, p in enumerate(params):
             if p.requires_grad:
                 node = p.view_as(p).grad_fn.next_functions[0][0]
                 nodes.append(node)
-                handles.append(node.register_prehook(lambda _grads: before()))
+                handles.append(node.register_prehook(
+                    lambda grads, i=i: before(i, grads[0] is not None)))
     return nodes, handles

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ...engine.local.streaming import StreamingDiLoCo
 from ...engine.strategy.inexact import LocalUpdateStrategy
 from ...engine.sync.drift import check_replicas
-from ...engine.transport import comm
+from ...engine.transport import comm, host
 from ...engine.transport.tracing import Tracer
 from ...errors import ReplicaMismatchError
 from ...observe.chrome import rank_payload, write_trace
@@ -66,20 +66,25 @@ class Instruments:
         """Seconds since ``started`` (this step's start) not spent blocked in collectives."""
         return max(0.0, time.perf_counter() - started - self.meter.exposed_s)
 
-    def gather_stats(self, loss_sum: float, items: float, grad_norm: float, samples: int,
+    def gather_stats(self, loss_sum, items: float, grad_norm, samples: int,
                      busy_s: float) -> torch.Tensor:
-        """[world, len(STATS)] float64: every rank's figures (see :data:`STATS`).
+        """[world, len(STATS)] float64 on the host: every rank's figures (see :data:`STATS`).
 
-        ``samples`` / ``busy_s``: this rank's share of the step and its own compute
-        time, which the straggler balancer turns into a rate (data/balance.py).
+        ``loss_sum`` and ``grad_norm`` may be device tensors (the step keeps them there):
+        they join the host's figures on the device, and the table is the step's one
+        read. ``samples`` / ``busy_s``: this rank's share of the step and its own
+        compute time, which the straggler balancer turns into a rate (data/balance.py).
         """
-        mine = torch.tensor([loss_sum, items, grad_norm, self.meter.exposed_s,
-                             float(self.meter.bytes), float(peak_memory_bytes(self.device)),
-                             float(samples), busy_s],
-                            dtype=torch.float64, device=self.device)
+        host_part = torch.tensor([items, self.meter.exposed_s, float(self.meter.bytes),
+                                  float(peak_memory_bytes(self.device)), float(samples), busy_s],
+                                 dtype=torch.float64).to(self.device, non_blocking=True)
+        f64 = {"dtype": torch.float64, "device": self.device}
+        device_part = torch.stack([torch.as_tensor(loss_sum, **f64).reshape(()),
+                                   torch.as_tensor(grad_norm, **f64).reshape(())])
+        mine = torch.cat([device_part[:1], host_part[:1], device_part[1:], host_part[1:]])
         out = torch.empty(self.world * len(STATS), dtype=torch.float64, device=self.device)
         comm.all_gather_single(out, mine, tag="stats")
-        return out.view(self.world, len(STATS)).cpu()
+        return host.read(out).view(self.world, len(STATS))
 
     def end_step(self, step: int) -> None:
         if not self.tracing:
@@ -96,19 +101,20 @@ class Instruments:
         if self.rank == 0:
             write_trace(os.path.join(self.cfg.out, TRACE), gathered)
 
-    def step_figures(self, stats: torch.Tensor, step_s: float) -> dict:
-        """The measured fields of this step's StepRecord (rank 0's times, every rank's lists)."""
+    def step_figures(self, rows: list[list[float]], step_s: float) -> dict:
+        """The measured fields of this step's StepRecord (rank 0's times, every rank's
+        lists), from :meth:`gather_stats`'s table as rows of numbers."""
         exposed = self.meter.exposed_s  # rank 0's, including the statistics gather
         return {
             "step_time_s": step_s,
             "compute_s": max(0.0, step_s - exposed),
             "exposed_comm_s": exposed,
-            "exposed_comm_s_by_rank": [float(v) for v in stats[:, 3]],
+            "exposed_comm_s_by_rank": [row[3] for row in rows],
             "comm_bytes": int(self.meter.bytes),
             "collectives": self.meter.collectives,
-            "peak_mem_mb_by_rank": [float(v) / 2**20 for v in stats[:, 5]],
-            "share_by_rank": [int(v) for v in stats[:, 6]],
-            "busy_s_by_rank": [float(v) for v in stats[:, 7]],
+            "peak_mem_mb_by_rank": [row[5] / 2**20 for row in rows],
+            "share_by_rank": [int(row[6]) for row in rows],
+            "busy_s_by_rank": [row[7] for row in rows],
         }
 
     # ---------------------------------------------------------------- occasional

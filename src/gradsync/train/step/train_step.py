@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ...engine.transport import comm, tracing
+from ...engine.transport import comm, host, tracing
 from ...errors import GradsyncError
 from ...ft import quorum_step
 from ...rundir import StepRecord
@@ -36,9 +36,9 @@ class NonFiniteError(GradsyncError):
     """A NaN or inf loss or gradient norm; raised on every rank before the update."""
 
 
-def _nonfinite(stats: torch.Tensor, step: int) -> str | None:
+def _nonfinite(rows: list[list[float]], step: int) -> str | None:
     for col, what in ((0, "loss"), (2, "gradient norm")):
-        values = [float(v) for v in stats[:, col]]
+        values = [row[col] for row in rows]
         ranks = [r for r, v in enumerate(values) if not math.isfinite(v)]
         if ranks:
             return (f"non-finite {what} ({values[ranks[0]]}) at step {step} on rank(s) "
@@ -47,8 +47,13 @@ def _nonfinite(stats: torch.Tensor, step: int) -> str | None:
 
 
 def _to(obj, device):
-    """Tensors moved to ``device`` inside tuples, lists and dicts (a batch, an input)."""
+    """Tensors moved to ``device`` inside tuples, lists and dicts (a batch, an input).
+
+    To a GPU the copy is asynchronous from page-locked memory: the host goes on to
+    the next micro-batch while the copy runs (a plain ``.to`` waits for it)."""
     if isinstance(obj, torch.Tensor):
+        if device.type == "cuda" and obj.device.type == "cpu":
+            return obj.pin_memory().to(device, non_blocking=True)
         return obj.to(device)
     if isinstance(obj, Mapping):
         return {k: _to(v, device) for k, v in obj.items()}
@@ -62,8 +67,10 @@ def _forward(model, x):
     return model(**x) if isinstance(x, Mapping) else model(x)
 
 
-def run_step(sess: Session, step: int) -> StepRecord | None:
+def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
     """Train step ``step`` (1-based); rank 0 also writes its metrics line.
+
+    ``reads``: a running ``observe.host_reads.HostReads`` whose count the line records.
 
     Across replica groups (``sess.ft``, ``ft/quorum_step.py``) the step's samples are dealt
     over the quorum and the gradient summed over it; None: the quorum did not
@@ -72,6 +79,7 @@ def run_step(sess: Session, step: int) -> StepRecord | None:
     """
     cfg, strategy, task = sess.cfg, sess.strategy, sess.task
     model = strategy.model
+    reads0 = host.reads  # the engine's own reads of device values (its one door)
     sess.inst.begin_step(step)
     t0 = time.perf_counter()
     before = sess.sampler.state_dict() if sess.ft else None
@@ -81,36 +89,41 @@ def run_step(sess: Session, step: int) -> StepRecord | None:
     else:
         share = sess.balancer.split(block)[sess.rank]
         micro = sess.balancer.micro_batches(share)
-    loss_sum, items = 0.0, 0
+    # the loss sum stays on the device: read once per step, with the other figures
+    loss_sum = torch.zeros((), dtype=torch.float64, device=sess.device)
+    items = 0
     for k, idx in enumerate(micro):
         last = k == len(micro) - 1
         poison = last and sess.faults.at_step(sess.rank, step, model.module)
         sess.slowdown.before_micro_batch()
-        x, y = _to(task.collate(task.data.train, idx), sess.device)
-        n = task.items(x, y)
+        x, y = task.collate(task.data.train, idx)
+        n = task.items(x, y)  # on the host, before the copy: no device read
+        x, y = _to((x, y), sess.device)
         with contextlib.nullcontext() if last else model.no_sync():
             loss = task.data.loss_fn(_forward(model, x), y)
             if poison:
                 loss = loss * float("nan")
             model.backward(loss, num_items=n)
         if n:  # a micro-batch of padding only: its loss is 0/0 and counts for nothing
-            loss_sum += float(loss.detach()) * n
+            loss_sum += loss.detach().to(torch.float64) * n
         items += n
         sess.slowdown.after_micro_batch(step)
     busy = sess.inst.busy_s(t0)
     with tracing.span("optimizer"):
-        sums = quorum_step.reduce(sess, items, loss_sum) if sess.ft else None
-        norm = float(strategy.clip_grad_norm_(cfg.clip))
-        stats = sess.inst.gather_stats(loss_sum, float(items), norm, len(share), busy)
+        sums = quorum_step.reduce(sess, items, float(loss_sum)) if sess.ft else None
+        norm_t = strategy.clip_grad_norm_(cfg.clip)
+        stats = sess.inst.gather_stats(loss_sum, float(items), norm_t, len(share), busy)
+        rows = stats.tolist()  # the table is on the host: one conversion for every figure
+        norm = rows[sess.rank][2]
         total_items = sums.items if sums else float(stats[:, 1].sum())
         global_loss = (sums.loss_sum if sums else float(stats[:, 0].sum())) / max(total_items, 1)
         lr = strategy.optimizer.param_groups[0]["lr"]
-        problem = _nonfinite(stats, step)
+        problem = _nonfinite(rows, step)
         if sums and problem is None and not math.isfinite(global_loss):
             problem = f"non-finite loss ({global_loss}) at step {step} in another replica group"
         if sess.ft and not sess.ft.commit():  # a group failed: redo, same samples, next quorum
             sess.sampler.load_state_dict(before)
-            strategy.optimizer.zero_grad(set_to_none=True)
+            strategy.zero_grad()
             return None
         if problem is None:
             strategy.optimizer.step()
@@ -122,10 +135,10 @@ def run_step(sess: Session, step: int) -> StepRecord | None:
         sess.sched.step()  # a skipped step still counts: the schedule follows step numbers
         if step == cfg.steps:  # the summary's report: the step at its fullest,
             sess.memory = strategy.memory_report()  # gradients and optimizer state both held
-        strategy.optimizer.zero_grad(set_to_none=True)
+        strategy.zero_grad()
     step_s = time.perf_counter() - t0
     sess.step_times.append(step_s)
-    figures = sess.inst.step_figures(stats, step_s)  # the step's own, before any evaluation
+    figures = sess.inst.step_figures(rows, step_s)  # the step's own, before any evaluation
     saved = balance(sess, step, figures["share_by_rank"], figures["busy_s_by_rank"])
     sess.inst.end_step(step)
     stop = problem is not None and cfg.on_nonfinite == "stop"
@@ -142,7 +155,9 @@ def run_step(sess: Session, step: int) -> StepRecord | None:
                      time_s=time.perf_counter() - sess.loop_started, unix_time=time.time(),
                      samples_per_s=cfg.global_batch / step_s,
                      tokens_per_s=rate if sess.unit == "tokens" else None,
-                     balance_saved_s=saved, **figures,
+                     balance_saved_s=saved,
+                     host_reads=reads.count + host.reads - reads0 if reads else None,
+                     **figures,
                      **(quorum_step.record(sess, report) if sess.ft else report))
     if sess.baseline_rate:
         rec.scaling_efficiency = rec.samples_per_s / (sess.world * sess.baseline_rate)
@@ -206,21 +221,25 @@ def evaluate(sess: Session) -> tuple[float | None, dict[str, float]]:
     rounds = math.ceil(math.ceil(len(data) / sess.world) / m)
     was_training = model.training
     model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=sess.device)  # read once, below
     total = torch.zeros(2 + 2 * len(metrics or ()), dtype=torch.float64)
     try:
         for r in range(rounds):
             idx = mine[r * m:(r + 1) * m]
-            x, y = _to(task.collate(data, idx or [0]), sess.device)
+            x, y = task.collate(data, idx or [0])
+            n = task.items(x, y) if idx else 0  # on the host, before the copy
+            x, y = _to((x, y), sess.device)
             out = _forward(model, x)  # every rank, every round (see above)
-            n = task.items(x, y) if idx else 0
             if n:  # none: nothing left here, or padding only (its loss is 0/0)
-                total[:2] += torch.tensor([float(task.data.loss_fn(out, y)) * n, n],
-                                          dtype=torch.float64)
+                loss_sum += task.data.loss_fn(out, y).to(torch.float64) * n
+                total[1] += n
             if idx and metrics:
                 total[2:] += torch.tensor(metric_sums(metrics, out, y), dtype=torch.float64)
     finally:
         model.train(was_training)
     total = total.to(sess.device)
+    total[0] = loss_sum
     comm.all_reduce(total, tag="eval_loss")
+    total = host.read(total)
     loss = float(total[0] / total[1]) if total[1] > 0 else None  # None: no held-out items
-    return loss, metric_values(metrics, total[2:].cpu())
+    return loss, metric_values(metrics, total[2:])

@@ -17,6 +17,7 @@ import signal
 import time
 
 from ...ft.quorum_step import announce
+from ...observe import host_reads
 from ..checkpoint.state import save
 from ..config.train_config import TrainConfig
 from ..records.callbacks import Callbacks
@@ -54,7 +55,11 @@ def train_session(sess: Session, callbacks=None) -> dict | None:
                 step = sess.ft.begin().step
                 if step > cfg.steps:
                     break
-            rec = run_step(sess, step)
+            if host_reads.enabled():  # device values the step reads (a test holds it)
+                with host_reads.HostReads() as reads:
+                    rec = run_step(sess, step, reads)
+            else:
+                rec = run_step(sess, step)
             if sess.ft:
                 announce(sess, sess.ft.current, rec is not None)
             if rec is None:  # the quorum did not commit: the same step again
