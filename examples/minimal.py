@@ -13,13 +13,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import gradsync as gs
 
-gs.init()  # reads torchrun's environment: gloo on CPU, NCCL on GPUs
+device = gs.init().device  # torchrun's environment: NCCL on this rank's GPU, else gloo on CPU
 torch.manual_seed(0)
 x = torch.randn(1000, 10)
 y = x @ torch.randn(10, 1) + 0.1 * torch.randn(1000, 1)
 dataset = TensorDataset(x, y)
 
-model = gs.DataParallel(nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 1)))
+# the model on the communication device before wrapping (a CPU model under NCCL is refused)
+model = gs.DataParallel(nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 1)).to(device))
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 sampler = gs.DistributedSampler(dataset, mode="exact")  # every sample once per epoch
 loader = DataLoader(dataset, batch_size=50, sampler=sampler)
@@ -27,6 +28,7 @@ loader = DataLoader(dataset, batch_size=50, sampler=sampler)
 for epoch in range(5):
     sampler.set_epoch(epoch)  # same shuffle on every rank, new each epoch
     for xb, yb in loader:
+        xb, yb = xb.to(device), yb.to(device)
         loss = nn.functional.mse_loss(model(xb), yb)  # mean over this rank's items
         model.backward(loss, num_items=len(xb))  # exact mean over the global batch
         opt.step()

@@ -196,3 +196,18 @@ def census(root, device: torch.device) -> list[str]:
 
     visit(root, "strategy", 0)
     return found
+
+
+def wrong_device_job() -> dict:
+    """A host model handed to the emulated accelerator's group: refused in one line."""
+    out = {}
+    for what in ("ddp", "zero3", "diloco"):
+        try:
+            build_strategy(Net(), what if what != "diloco" else "ddp", "fp32",
+                           torch.optim.SGD, wrap={Block},
+                           sync=SyncOptions(method="diloco") if what == "diloco" else None,
+                           lr=0.1)
+            out[what] = None
+        except gs.UsageError as e:
+            out[what] = str(e)
+    return out

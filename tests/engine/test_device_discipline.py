@@ -53,3 +53,16 @@ def test_every_mode_runs_on_the_device_and_keeps_nothing_on_the_host(results, mo
     assert not isinstance(res, str), res
     for rank, r in enumerate(res):
         assert r["off_device"] == [], f"rank {rank} holds host tensors: {r['off_device'][:5]}"
+
+
+def test_a_model_on_another_device_is_refused_in_one_line(monkeypatch):
+    """A CPU model under NCCL failed inside torch ("No backend type associated with device
+    type cpu", examples/minimal.py on an H100); now each wrapper names the tensor and
+    the fix before anything is built."""
+    monkeypatch.setenv("GRADSYNC_NCCL_RULES", "meta")
+    res = gs.spawn(device_modes.wrong_device_job, 2, timeout_s=60)
+    for r in res:
+        for what, msg in r.items():
+            assert msg is not None, f"{what}: a host model was accepted"
+            assert "'inp.weight' is on cpu" in msg and "communicates on meta" in msg, msg
+            assert "model.to(gs.init().device)" in msg and "\n" not in msg, msg

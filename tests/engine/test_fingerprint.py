@@ -101,3 +101,44 @@ def test_uneven_micro_steps_are_not_a_desync():
 
 def test_the_check_can_be_turned_off():
     assert [res["error"] for res in SPAWN.results("off", 2)] == [None, None]
+
+
+def _device_thread(case: str, steps: int = 3):
+    """On a GPU, autograd runs backward -- and gradsync's gradient hooks, which launch
+    the buckets' collectives -- on its device thread, while a rank without data replays
+    them on the main thread (``backward(None, num_items=0)``) and ``join()`` shadows
+    them there. Emulated here: a rank's backward on a thread of its own."""
+    import threading
+
+    torch.manual_seed(0)
+    model = gs.DataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double(),
+                            bucket_cap_mb=0.0001)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    r = gs.rank()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    for step in range(steps):
+        idle = case == "idle" and r == 1 and step == 1
+        out = None if idle else model(x).pow(2).mean()
+
+        def backward(out=out, idle=idle):
+            model.backward(out, num_items=0 if idle else 8)
+
+        if r == 0:  # the "device thread"
+            worker = threading.Thread(target=backward)
+            worker.start()
+            worker.join(timeout=60)
+        else:
+            backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_hooks_on_another_thread_are_not_a_desync():
+    """Fingerprints were kept per (group, thread): the rank whose hooks ran on another
+    thread had a different count of collectives than its peer, a false DesyncError.
+    NCCL needs one issuing order per group, whichever thread issues; so is it kept."""
+    for case in ("busy", "idle"):
+        res = gs.spawn(_device_thread, 2, case, timeout_s=60)
+        for a, b in zip(res[0], res[1]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

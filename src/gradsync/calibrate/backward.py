@@ -173,9 +173,10 @@ def worker_measure(spec: str, micro_batch, seq_len, runs: int, warmup: int,
 
     import torch.distributed as dist
 
+    from ..dist import comm_device
     from ..engine.replicated.data_parallel import DataParallel
 
-    work = build_workload(spec, micro_batch, seq_len)
+    work = build_workload(spec, micro_batch, seq_len, device=comm_device())
     dp = DataParallel(work.model)
     dist.barrier()
     with dp.no_sync():

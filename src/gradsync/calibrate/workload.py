@@ -118,8 +118,9 @@ def first_forward_error(spec: str, batch, seq_len: int, error: BaseException) ->
 
 
 def build_workload(spec: str, micro_batch: int | None = None, seq_len: int | None = None,
-                   seed: int = 0) -> Workload:
-    """Build the model (seeded) and its micro-batch; all failures are one-line UsageErrors."""
+                   seed: int = 0, device=None) -> Workload:
+    """Build the model (seeded) and its micro-batch on ``device`` (default the CPU: under
+    workers, the communication device); all failures are one-line UsageErrors."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -134,9 +135,9 @@ def build_workload(spec: str, micro_batch: int | None = None, seq_len: int | Non
     if spec == "gpt":
         from ..models import build_model
 
-        model = build_model("gpt", seq_len=seq)
-        x = torch.randint(0, 256, (mb, seq), generator=g)
-        y = torch.randint(0, 256, (mb, seq), generator=g)
+        model = build_model("gpt", seq_len=seq).to(device)
+        x = torch.randint(0, 256, (mb, seq), generator=g).to(device)
+        y = torch.randint(0, 256, (mb, seq), generator=g).to(device)
 
         def loss(m):
             logits = m(x)
@@ -146,9 +147,9 @@ def build_workload(spec: str, micro_batch: int | None = None, seq_len: int | Non
     if spec == "mlp":
         from ..models import build_model
 
-        model = build_model("mlp")
-        x = torch.randn(mb, 1024, generator=g)
-        y = torch.randn(mb, 1024, generator=g)
+        model = build_model("mlp").to(device)
+        x = torch.randn(mb, 1024, generator=g).to(device)
+        y = torch.randn(mb, 1024, generator=g).to(device)
         return Workload(spec, model, lambda m: F.mse_loss(m(x), y),
                         lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9), mb, seq)
     factory = load_factory(spec)
@@ -160,8 +161,10 @@ def build_workload(spec: str, micro_batch: int | None = None, seq_len: int | Non
         raise UsageError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
         raise UsageError(f"{spec} has no trainable parameters")
+    model = model.to(device)
     batch = _example_batch(model, mb, seq)
-    args = batch if isinstance(batch, tuple) else (batch,)
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a
+                 for a in (batch if isinstance(batch, tuple) else (batch,)))
 
     checked = False
 

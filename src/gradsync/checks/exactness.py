@@ -94,10 +94,12 @@ def train_replica(cfg: ExactnessConfig, shards, use_items: bool, steps: int | No
     """One rank's side: its shard every step, through gradsync.DataParallel."""
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    x, y = make_regression(cfg.n, cfg.d)
-    idx = torch.as_tensor(shards[rank])
-    dp = DataParallel(TanhMLP.from_reference_init(cfg.d, cfg.hidden))
+    from ..dist import comm_device
+
+    rank, dev = dist.get_rank(), comm_device()
+    x, y = (t.to(dev) for t in make_regression(cfg.n, cfg.d))
+    idx = torch.as_tensor(shards[rank], device=dev)
+    dp = DataParallel(TanhMLP.from_reference_init(cfg.d, cfg.hidden).to(dev))
     opt = torch.optim.SGD(dp.parameters(), lr=cfg.lr)
     for _ in range(cfg.steps if steps is None else steps):
         loss = _loss(dp, x[idx], y[idx])
@@ -109,7 +111,7 @@ def train_replica(cfg: ExactnessConfig, shards, use_items: bool, steps: int | No
         opt.zero_grad()
     with torch.no_grad():
         final = float(_loss(dp.module, x, y))
-    return [p.detach().clone() for p in dp.module.parameters()], final
+    return [p.detach().cpu() for p in dp.module.parameters()], final
 
 
 def _replica_job(cfg: ExactnessConfig):

@@ -22,6 +22,7 @@ from ..replicated.mixed_optimizer import MixedPrecisionOptimizer
 from ..replicated.precision import parse_precision
 from ..sharded.fsdp.wrapper import FullyShardedDataParallel
 from ..sharded.zero import ZeroOptimizer
+from ..sync.replicas import check_module_device
 from ..transport.algorithms.topology import HostTopology
 from .exact import DataParallelStrategy, FullyShardedStrategy, ZeroStrategy, default_wrap
 from .inexact import CompressedStrategy, HostModel, LocalModel, LocalUpdateStrategy
@@ -60,6 +61,7 @@ def build_local(module, precision, optimizer_class, group, sync: SyncOptions,
     data parallelism inside it, DiLoCo across hosts, pseudo-gradients two-level.
     """
     sync.check_precision(precision)
+    check_module_device(module, group, f"--sync {sync.method}")
     sync = sync.resolved(group)
     topology = None
     if sync.collectives == "hierarchical":

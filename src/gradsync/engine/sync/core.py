@@ -52,7 +52,7 @@ from ..transport import comm, host, tracing
 from .item_window import as_count
 from .join import Join
 from .protocol import SyncProtocol, tensors_in
-from .replicas import broadcast_tensors
+from .replicas import broadcast_tensors, check_module_device
 from .shadow import Shadow
 from .window_check import WINDOW_SLOTS, CheckedWindow
 
@@ -68,6 +68,7 @@ class SyncedModule(Shadow, SyncProtocol, nn.Module):
                              "gradsync.init() (torchrun) or run inside gradsync.spawn()")
         if not isinstance(module, nn.Module):
             raise UsageError(f"{what} wraps an nn.Module, got {type(module).__name__}")
+        check_module_device(module, group, what)
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)

@@ -29,6 +29,27 @@ from ..transport import comm, host
 _CHUNK_BYTES = 64 * 1024 * 1024
 
 
+def check_module_device(module: nn.Module, group=None, what: str = "DataParallel") -> None:
+    """Every parameter and buffer on the communication device, or one line naming the
+    first that is not and the fix. Buckets and shards are allocated beside the
+    parameters and the collectives run on the group's device: a CPU model under NCCL
+    (or a GPU model under gloo) fails later, inside torch, far from the cause."""
+    dev = comm_device(group)
+    ignored = ignored_names(module)
+    for kind, items in (("parameter", module.named_parameters()),
+                        ("buffer", module.named_buffers())):
+        for name, t in items:
+            if name in ignored or t.device == dev or (t.device.type == dev.type == "cpu"):
+                continue
+            backend = dist.get_backend(group)
+            fix = ("model.to(gs.init().device) before wrapping it"
+                   + (", or --backend gloo to train on the CPU" if dev.type == "cuda" else "")
+                   + (", or --backend nccl to train on GPUs" if t.device.type == "cuda"
+                      and dev.type == "cpu" else ""))
+            raise UsageError(f"{what}: {kind} {name!r} is on {t.device}, but the process "
+                             f"group ({backend}) communicates on {dev}: {fix}")
+
+
 def ignored_names(module: nn.Module) -> frozenset[str]:
     """Parameters and buffers torch DDP leaves alone, set with
     ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)``

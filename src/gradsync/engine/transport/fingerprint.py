@@ -1,4 +1,4 @@
-"""A running fingerprint of every collective, per process group and thread.
+"""A running fingerprint of every collective, per process group.
 
 Replicas drift silently when ranks disagree about *which* collectives they issue:
 a micro-step under ``no_sync`` on one rank only, two synchronised backwards per
@@ -7,7 +7,7 @@ step on one rank and one on another, a collective only some ranks call. torch's
 one of its own (a round trip each); this module keeps the check cheap instead:
 
 * every collective through ``comm.py`` folds ``(op, dtype, element count)`` into
-  a 64-bit running digest of its (group, thread) log and gets a sequence number
+  a 64-bit running digest of its group's log and gets a sequence number
   (a few hundred nanoseconds, no communication);
 * the synchronised-backward core folds that digest, with what happened to the
   accumulation window (optimizer steps since the last sync, and steps taken
@@ -16,14 +16,18 @@ one of its own (a round trip each); this module keeps the check cheap instead:
 * only when the summed slots say the ranks differ are the logs gathered, to name
   the ranks, the step and the first differing collective.
 
-Logs are kept per (group, thread) because a communication thread runs its own
-private group concurrently with the main thread: the order between the two is a
-race, the order inside each is the program's.
+Logs are kept per group, whichever thread issues: NCCL needs one issuing order per
+group on every rank, and that order is what is checked. A communication thread runs
+a private group of its own concurrently with the main thread (the order between the
+two is a race, the order inside each is the program's). The thread that issues on a
+group may change: on a GPU autograd runs backward, and the gradient hooks that
+launch the buckets' collectives, on its device thread, while a rank without data
+replays them, and ``join()`` shadows them, on the main thread. Logs kept per
+(group, thread) saw different counts there: a false DesyncError.
 """
 
 from __future__ import annotations
 
-import threading
 import zlib
 
 import torch
@@ -67,7 +71,7 @@ class Record:
 
 
 class GroupLog:
-    """The collectives one thread issued on one process group."""
+    """The collectives issued on one process group."""
 
     __slots__ = ("name", "ranks", "seq", "digest", "count", "recent")
 
@@ -77,8 +81,6 @@ class GroupLog:
         else:
             self.ranks = list(dist.get_process_group_ranks(group))
             self.name = "ranks " + ",".join(map(str, self.ranks))
-        if threading.current_thread() is not threading.main_thread():
-            self.name += f" ({threading.current_thread().name})"
         self.seq = 0  # collectives issued so far (the next one gets seq + 1)
         self.digest = 0  # over the collectives since the last check
         self.count = 0  # collectives since the last check
@@ -98,7 +100,7 @@ class GroupLog:
         self.digest, self.count, self.recent = 0, 0, []
 
 
-_logs: dict[tuple, GroupLog] = {}
+_logs: dict[object, GroupLog] = {}
 _codes: dict[tuple, int] = {}
 
 
@@ -110,10 +112,9 @@ def _code(op: str, dtype: str) -> int:
 
 
 def log_for(group) -> GroupLog:
-    key = (group, threading.get_ident())
-    log = _logs.get(key)
+    log = _logs.get(group)
     if log is None:
-        log = _logs[key] = GroupLog(group)
+        log = _logs[group] = GroupLog(group)
     return log
 
 

@@ -5,7 +5,7 @@ peer ends in a backend error on the ranks that were waiting ("Timed out waiting
 3000ms for recv operation", "Connection closed by peer") that names neither the
 collective nor the rank that did not come. ``comm.py`` numbers every collective
 (``fingerprint.note``) and keeps it here, in a ring of :data:`SIZE` records:
-sequence number per (group, thread), op, tag, dtype, element count, bytes,
+sequence number per group, op, tag, dtype, element count, bytes,
 start and end (wall clock, so ranks' records compare). When a collective raises,
 the ring is written as JSON to ``hang_report.flight_path(rank)`` (the run's
 flight directory; one line on stderr says where), and the launcher's hang
