@@ -346,9 +346,6 @@ class StrictGroup(dist.ProcessGroup):
             self.ops.append("barrier")
         return self._gloo.barrier(opts or c10d.BarrierOptions())
 
-    def monitored_barrier(self, *args, **kwargs):
-        raise NcclRuleError("monitored_barrier is gloo's alone; NCCL has none: use barrier()")
-
     # ------------------------------------------------------------------ point-to-point
     def send(self, tensors, dst: int, tag: int = 0):
         meta = self._p2p("send", tensors, dst)

@@ -34,7 +34,7 @@ import torch
 
 from ...dist import comm_device
 from ...errors import UsageError
-from ..transport import comm
+from ..transport import comm, host
 from .fsdp.units import first_names
 from .fsdp.wrapper import FullyShardedDataParallel
 from .zero import ZeroOptimizer
@@ -70,7 +70,9 @@ def _extra_state(target, kind) -> dict:
 
 
 def _barrier(group, device) -> None:
-    comm.all_reduce(torch.zeros(1, device=device), group, tag="ckpt_barrier")
+    """Every rank's shard is on disk before rank 0 reads them (a host barrier: an
+    all-reduce, as this was, returns on NCCL before the peers have written)."""
+    comm.barrier(group, tag="ckpt_barrier")
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -107,7 +109,8 @@ def save_sharded(path, target, optimizer=None, _fail_before_manifest: bool = Fal
     final = Path(path)
     token = torch.tensor([time.time_ns() % 2**52], dtype=torch.float64, device=device)
     comm.broadcast(token, 0, group, tag="ckpt_token")
-    tmp = final.with_name(f"{final.name}.tmp-{int(token.item())}")
+    stamp = int(host.read(token)[0])
+    tmp = final.with_name(f"{final.name}.tmp-{stamp}")
     if lead:
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier(group, device)
@@ -144,7 +147,7 @@ def save_sharded(path, target, optimizer=None, _fail_before_manifest: bool = Fal
                     "files": files, "identity": identity}
         _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
-        old = final.with_name(f"{final.name}.old-{int(token.item())}")
+        old = final.with_name(f"{final.name}.old-{stamp}")
         if final.exists():
             os.replace(final, old)
         os.replace(tmp, final)

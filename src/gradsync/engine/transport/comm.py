@@ -190,6 +190,22 @@ def reduce_scatter_single(output, input, group=None, op=dist.ReduceOp.SUM, async
                 async_op, tag, meta, group)
 
 
+def barrier(group=None, tag: str = "") -> None:
+    """Block the host until every rank of ``group`` has reached this point.
+
+    The one way to order what ranks do on the host (files written before another
+    rank reads them): a collective on a tensor is not one. On NCCL it returns to the
+    host as soon as it is queued on the device, before the peers arrive (on gloo it
+    blocks, which hid the difference). torch's barrier on NCCL waits for the device
+    and the host both; it is told this rank's GPU, as torch asks.
+    """
+    kwargs = {}
+    if dist.get_backend(group) == "nccl":
+        kwargs["device_ids"] = [torch.cuda.current_device()]
+    with composite("barrier", torch.empty(0, dtype=torch.uint8), tag, group=group):
+        dist.barrier(group=group, **kwargs)
+
+
 def all_gather_object(obj, group=None, tag: str = "") -> list:
     """Every rank's picklable ``obj``, by rank (blocking; off the hot path: checkpoints,
     error reports). Tensors in it are read to the host first (``host.to_host``): a
