@@ -31,14 +31,13 @@ for the sum in flight and corrects it when the sum lands (``eager.py``, arXiv 25
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-
 import torch
 from torch import nn
 
 from ...errors import UsageError
 from ..compress.thread import private_group
 from ..transport.algorithms.topology import HostTopology
+from ..transport.comm_thread import CommThread, Handoff
 from .diloco import DiLoCo
 from .eager import EagerUpdates
 from .exchange import as_items
@@ -49,7 +48,7 @@ class _InFlight:
 
     __slots__ = ("fragment", "sent_at", "due", "future", "result", "buffer_bytes", "eager")
 
-    def __init__(self, fragment: int, sent_at: int, due: int, future: Future | None,
+    def __init__(self, fragment: int, sent_at: int, due: int, future: Handoff | None,
                  result=None, buffer_bytes: int = 0):
         self.fragment, self.sent_at, self.due = fragment, sent_at, due
         self.future, self.result, self.buffer_bytes = future, result, buffer_bytes
@@ -114,7 +113,7 @@ class StreamingDiLoCo(EagerUpdates, DiLoCo):
             self.comm_group = comm_group if comm_group is not None else private_group(group)
         self.offsets = [f * sync_every // len(self.fragments) for f in range(len(self.fragments))]
         self._inflight: list[_InFlight] = []
-        self._executor: ThreadPoolExecutor | None = None
+        self._thread = CommThread("gradsync-streaming-diloco")  # device and stream of its own
         self.eager = bool(eager)
         self._eager_prev: list = [None] * len(self.fragments)  # the last sum, per fragment
 
@@ -157,10 +156,8 @@ class StreamingDiLoCo(EagerUpdates, DiLoCo):
         own = flat.clone() if eager and self.eager else None  # the thread sums flat in place
         frag.items, frag.last_sent = 0.0, self._steps
         buffers = self._sync_buffers(items) if frag.index == 0 else 0
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="gradsync-streaming-diloco")
-        future = self._executor.submit(self._reduce, frag.index, frag.shapes, flat, items,
-                                       self.comm_group, self._steps)
+        future = self._thread.run(self._reduce, frag.index, frag.shapes, flat, items,
+                                  self.comm_group, self._steps)
         job = _InFlight(frag.index, self._steps, self._steps + self.delay, future,
                         buffer_bytes=buffers)
         self._inflight.append(job)
@@ -181,9 +178,7 @@ class StreamingDiLoCo(EagerUpdates, DiLoCo):
         """Wait for reductions in flight (without applying them) and stop the thread."""
         for job in self._inflight:
             job.wait()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self._thread.close()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
