@@ -64,3 +64,43 @@ def test_a_dead_rank_is_named_with_how_it_died(tmp_path, monkeypatch):
     report = _report("dies", tmp_path, monkeypatch)
     assert "rank 1 is behind: it never issued #2" in report
     assert "SIGKILL" in report
+
+
+def _in_flight_job(flight_dir: str) -> dict:
+    """On NCCL a stuck collective never fails on the host (NCCL's watchdog aborts the
+    process at the timeout); the in-flight watchdog writes the ring before that.
+    Emulated on gloo: rank 0 issues an all-reduce rank 1 joins only later."""
+    import json
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from gradsync.engine.transport import comm, flight_recorder
+
+    os.environ["GRADSYNC_FLIGHT_DIR"] = flight_dir
+    flight_recorder.watch(timeout_s=2.0, period_s=0.1)
+    t = torch.ones(4)
+    out = {}
+    if dist.get_rank() == 0:
+        pending = comm.all_reduce(t, async_op=True, tag="stuck")
+        path = os.path.join(flight_dir, "attempt-0", "rank-0.json")
+        deadline = time.time() + 20
+        while not os.path.exists(path) and time.time() < deadline:
+            time.sleep(0.1)
+        out["record"] = json.load(open(path)) if os.path.exists(path) else None
+        pending.wait()
+    else:
+        time.sleep(4.0)  # past the watchdog's 1.5 s; then the all-reduce completes
+        comm.all_reduce(t, tag="stuck")
+    out["sum"] = t.tolist()
+    return out
+
+
+def test_a_collective_stuck_on_the_device_is_recorded_before_the_watchdog_abort(tmp_path):
+    res = gs.spawn(_in_flight_job, 2, str(tmp_path), timeout_s=60)
+    rec = res[0]["record"]
+    assert rec is not None, "no flight record written while the collective was in flight"
+    assert rec["stuck"]["tag"] == "stuck" and rec["stuck"]["op"] == "all_reduce", rec["stuck"]
+    assert "not completed on the device" in rec["error"], rec["error"]
+    assert res[0]["sum"] == res[1]["sum"] == [2.0] * 4

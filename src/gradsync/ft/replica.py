@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
+
 from ..errors import GradsyncError, UsageError
 from .requirement import torchft
 
@@ -59,6 +61,22 @@ class StepQuorum:
     sent_bytes: int = 0
 
 
+def cross_group_pg(tf, timeout_s: float):
+    """The process group between replica groups: torchft's NCCL one when this rank
+    trains on a GPU (the gradients to sum live there), its gloo one on the CPU."""
+    timeout = timedelta(seconds=timeout_s)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return tf.ProcessGroupBabyNCCL(timeout=timeout)  # a subprocess: an abort stays there
+    return tf.ProcessGroupGloo(timeout=timeout)
+
+
+def _device_sync() -> None:
+    """Wait for the GPU's queued work, so a stream the caller does not own reads final
+    values (torchft's state transfer reads and writes on streams of its own)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+
+
 class ReplicaGroup:
     """This rank's handle on its group's torchft Manager.
 
@@ -78,10 +96,15 @@ class ReplicaGroup:
         self.lighthouse, self.quorum_timeout_s = lighthouse, quorum_timeout_s
         self._load_fn = load_fn
         self.healed_now = False
-        pg = tf.ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
+        pg = cross_group_pg(tf, timeout_s)
         host, port, self._store_server = attempt_store(rank, quorum_timeout_s)
+
+        def state_for_peer():  # torchft reads it on its own stream: values final first
+            _device_sync()
+            return state_fn()
+
         self.manager = tf.Manager(
-            pg=pg, load_state_dict=self._load, state_dict=state_fn, min_replica_size=1,
+            pg=pg, load_state_dict=self._load, state_dict=state_for_peer, min_replica_size=1,
             use_async_quorum=False, replica_id=f"{GROUP_ID_PREFIX}{group}",
             lighthouse_addr=lighthouse, rank=rank, world_size=world,
             store_addr=host, store_port=port,
@@ -100,7 +123,9 @@ class ReplicaGroup:
     def _load(self, state) -> None:
         self.healed_now = True
         self.heals += 1
+        _device_sync()  # torchft cloned the received tensors on its own stream
         self._load_fn(state)
+        _device_sync()
 
     def wait_for_all(self, directory: str, timeout_s: float) -> None:
         """A fresh job's first quorum holds every group (one machine: ``GRADSYNC_FT_BARRIER``).

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ...dist import default_timeout_s
 from . import flight_recorder, host
 
 
@@ -140,13 +141,21 @@ def _run(op: str, tensor: torch.Tensor, issue, async_op: bool, tag: str, meta: d
          group=None):
     rec = _record(op, tensor, group, tag)
     ev = _launch(op, tensor, tag, meta)
+    if _nccl_watch is None:
+        _start_watch()
+    watched = rec is not None and flight_recorder.watching()
     try:
-        work = issue(async_op)
+        # under the NCCL watchdog even a blocking call keeps its work: "blocking" only
+        # makes the stream wait there, and the watchdog polls the work for completion
+        work = issue(async_op or watched)
     except BaseException as exc:
         flight_recorder.failed(rec, exc)
         raise
+    if watched:
+        flight_recorder.track(rec, work)
     if not async_op:
-        pending = Pending(None, ev, ev.start if ev is not None else None, rec)
+        pending = Pending(work if watched else None, ev,
+                          ev.start if ev is not None else None, rec)
         pending.wait()
         return pending
     if ev is not None and work is not None:
@@ -155,6 +164,19 @@ def _run(op: str, tensor: torch.Tensor, issue, async_op: bool, tag: str, meta: d
         except (AttributeError, RuntimeError):  # a backend without futures: end = wait
             pass
     return Pending(work, ev, rec=rec)
+
+
+_nccl_watch: bool | None = None  # decided at the first collective
+
+
+def _start_watch() -> None:
+    """On NCCL, the flight recorder's in-flight watchdog (``flight_recorder.watch``)."""
+    global _nccl_watch
+    if not dist.is_initialized():
+        return
+    _nccl_watch = dist.get_backend() == "nccl"
+    if _nccl_watch:
+        flight_recorder.watch(default_timeout_s())
 
 
 def all_reduce(tensor, group=None, op=dist.ReduceOp.SUM, async_op=False, tag="", meta=None):

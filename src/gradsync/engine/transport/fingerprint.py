@@ -47,13 +47,14 @@ class Record:
     """One collective: what the fingerprint folds and the flight recorder keeps."""
 
     __slots__ = ("log", "seq", "op", "tag", "dtype", "numel", "nbytes", "start", "end",
-                 "state")
+                 "state", "work")
 
     def __init__(self, log, seq, op, tag, dtype, numel, nbytes, start):
         self.log, self.seq, self.op, self.tag = log, seq, op, tag
         self.dtype, self.numel, self.nbytes, self.start = dtype, numel, nbytes, start
         self.end: float | None = None
         self.state = "issued"
+        self.work = None  # NCCL: the backend's work, until the device has completed it
 
     def key(self) -> tuple:
         """What must be equal on every rank for the same sequence number."""

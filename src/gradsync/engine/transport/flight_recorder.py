@@ -14,6 +14,14 @@ is behind and at which collective.
 
 Cost: one small object and a deque append per collective; nothing is written
 unless a collective fails.
+
+On NCCL a collective does not fail on the host: ``wait()`` only makes the stream
+wait, and a collective that never completes is found by NCCL's own watchdog, which
+aborts the process at the timeout -- before any Python runs, so no record was
+written and the hang report had nothing to read. There :func:`watch` starts a
+thread that polls the works still in flight (``is_completed`` reads a CUDA event,
+without blocking) and writes the ring, naming the stuck collective, once one has
+been in flight for 3/4 of the timeout: before the abort, not after it.
 """
 
 from __future__ import annotations
@@ -39,6 +47,58 @@ def begin(op: str, tensor, group, tag: str):
     rec = fingerprint.note(op, tensor, group, tag, time.time())
     RING.append(rec)
     return rec
+
+
+_watching: list = []  # the watchdog thread, once started
+
+
+def watching() -> bool:
+    return bool(_watching)
+
+
+def track(rec, work) -> None:
+    """Keep ``work`` with its record while the watchdog runs (NCCL)."""
+    if _watching and rec is not None and work is not None:
+        rec.work = work
+
+
+def watch(timeout_s: float, period_s: float | None = None) -> None:
+    """Start the in-flight watchdog (once per process): NCCL collectives that have not
+    completed on the device after ``0.75 * timeout_s`` get the ring written."""
+    if _watching:
+        return
+    limit = 0.75 * timeout_s
+    period = period_s if period_s is not None else max(0.5, min(10.0, limit / 4))
+
+    def poll():
+        while True:
+            time.sleep(period)
+            now = time.time()
+            for rec in list(RING):
+                work = rec.work
+                if work is None:
+                    continue
+                with contextlib.suppress(Exception):
+                    if work.is_completed():
+                        rec.work = None  # its tensors are not kept alive any longer
+                        continue
+                    if now - rec.start > limit and rec.state != "failed":
+                        rec.state = "failed"
+                        failed_in_flight(rec, now - rec.start, timeout_s)
+
+    thread = threading.Thread(target=poll, name="gradsync-flight-watchdog", daemon=True)
+    _watching.append(thread)
+    thread.start()
+
+
+def failed_in_flight(rec, waited_s: float, timeout_s: float) -> None:
+    exc = TimeoutError(f"not completed on the device after {waited_s:.0f} s (the collective "
+                       f"timeout, {timeout_s:g} s, ends it)")
+    with contextlib.suppress(Exception):
+        path = dump(rec, exc)
+        print(f"gradsync: rank {os.environ.get('RANK', '?')}: {rec.describe()} {exc}; "
+              f"gradsync flight record of the last {len(RING)} collectives: {path}",
+              file=sys.stderr, flush=True)
 
 
 def end(rec) -> None:

@@ -5,7 +5,8 @@ scheduler, the sampler's *global* position (:class:`gradsync.data.StepSampler`:
 no per-rank state, so it continues on any number of workers; with ``--data-parts
 P`` every part's, ``data/parted_sampler.py``, on any multiple of P), the config, the
 RNG state, the strategy's extra state and the unwrapped model (no ``module.``
-prefixes; gathered in full for ZeRO-3). With plain DataParallel it also holds
+prefixes; gathered in full for ZeRO-3), and on a GPU the GPU's generator too (dropout
+there draws from it). With plain DataParallel it also holds
 the optimizer state, identical on every rank. With ZeRO the optimizer state is
 sharded, so each save writes a new sharded directory
 ``checkpoint-shards/step-N`` first (every rank its shard, manifest with SHA-256s
@@ -97,6 +98,23 @@ def decide(cfg, header: dict | None) -> ResumePlan:
                       notes if action == "resume" else ())
 
 
+def device_rng_state(device: torch.device):
+    """The accelerator's generator of ``device`` (dropout on a GPU draws from it, not
+    from the CPU's), or None on the CPU."""
+    if device.type in ("cpu", "meta"):
+        return None
+    return torch.get_device_module(device.type).get_rng_state(device)
+
+
+def set_device_rng_state(device: torch.device, state) -> None:
+    """Restore what :func:`device_rng_state` saved (nothing when either side was the
+    CPU: a run saved on the CPU and continued on a GPU starts the GPU's generator from
+    the seed)."""
+    if state is None or device.type in ("cpu", "meta"):
+        return
+    torch.get_device_module(device.type).set_rng_state(state, device)
+
+
 def run_digest(config: dict) -> str:
     """The configuration digest a checkpoint unit carries: what must match to continue."""
     return config_digest({**_OLD_DEFAULTS, **config, "optimizer": optimizer_of(config)},
@@ -129,7 +147,8 @@ def save(sess, step: int) -> None:
                  "world_sizes": list(sess.world_sizes),
                  "config": {**cfg.to_dict(), "optimizer": cfg.optimizer_name},  # auto resolved
                  "strategy_extra": strategy.extra_state(), "loss": sess.last_loss,
-                 "rng": torch.get_rng_state(), "unit": {**ident, "shards": shards}},
+                 "rng": torch.get_rng_state(), "device_rng": device_rng_state(sess.device),
+                 "unit": {**ident, "shards": shards}},
                 sess.ckpt_path, before_replace=lambda: sess.faults.at_save(0, step))
     if shard_dir:  # the previous steps' shards are no longer referenced
         root = os.path.join(cfg.out, SHARDS)
@@ -180,6 +199,7 @@ def load(sess) -> int:
                                                                   cfg.global_batch))
     if state.get("rng") is not None:
         torch.set_rng_state(state["rng"])
+    set_device_rng_state(sess.device, state.get("device_rng"))
     sess.balancer.load_state_dict(state.get("balance"))  # the split in force continues
     return int(state["step"])
 
