@@ -21,22 +21,44 @@ from ..engine.transport import comm
 
 
 class StepMeter:
-    """Sums bytes sent and time blocked on collectives since the last ``reset()``."""
+    """Sums bytes sent and time blocked on collectives since the last ``reset()``.
+
+    Blocked: on the CPU the host's wait; on a GPU the compute stream's stall, timed by
+    CUDA events around the wait (the host returns from a NCCL wait at once, so its
+    clock measured enqueueing). Events are read without blocking: a stall whose events
+    have not completed when the step's figures are taken counts in the next step's.
+    """
 
     def __init__(self):
         self.bytes = 0
-        self.exposed_s = 0.0
+        self._exposed = 0.0
+        self._unread: list[comm.CollectiveEvent] = []
         self.collectives = 0
         self._handle = comm.add_observer(self._on_comm)
 
     def _on_comm(self, kind: str, ev: comm.CollectiveEvent) -> None:
         if kind == "complete":
             self.bytes += ev.nbytes
-            self.exposed_s += ev.waited_s
+            if ev.gpu_wait is None:
+                self._exposed += ev.waited_s
+            else:
+                self._unread.append(ev)
             self.collectives += 1
 
+    @property
+    def exposed_s(self) -> float:
+        waiting = []
+        for ev in self._unread:
+            s = ev.stream_wait_s()
+            if s is None:
+                waiting.append(ev)
+            else:
+                self._exposed += s
+        self._unread = waiting
+        return self._exposed
+
     def reset(self) -> None:
-        self.bytes, self.exposed_s, self.collectives = 0, 0.0, 0
+        self.bytes, self._exposed, self.collectives = 0, 0.0, 0
 
     def close(self) -> None:
         self._handle.remove()

@@ -73,7 +73,7 @@ class ItemWindow:
         """A plain pass is counted once however many hooks announced it."""
         self._counted = False
 
-    def write(self, slots: torch.Tensor) -> None:
+    def values(self) -> list[float]:
         """The counts as whole numbers that survive a float32 sum exactly.
 
         Items split into base-4096 digits: every digit summed over up to 4096 ranks
@@ -84,9 +84,14 @@ class ItemWindow:
         if items >= MAX_ITEMS // self.world_size:
             raise UsageError(f"{items} items in one accumulation window on rank {self.rank}; "
                              f"the exact count supports fewer than {MAX_ITEMS // self.world_size}")
-        values = (float(items // _DIGIT), float(items % _DIGIT),
-                  float(self.item_passes), float(self.plain_passes))
-        slots.copy_(torch.tensor(values, dtype=torch.float64))
+        return [float(items // _DIGIT), float(items % _DIGIT),
+                float(self.item_passes), float(self.plain_passes)]
+
+    def write(self, slots: torch.Tensor) -> None:
+        """:meth:`values` into ``slots`` (from host memory, without blocking the host:
+        the header is written inside backward, from a gradient hook)."""
+        copy_in(slots, self.values(), self)
+
 
     def close(self, summed: torch.Tensor, plain_divisor: float | None = None) -> float:
         """The divisor from the header summed over ranks; starts a new window.
@@ -129,3 +134,15 @@ def as_count(num_items) -> float:
     if not math.isfinite(n) or n < 0 or n != int(n):
         raise UsageError(f"num_items counts items: a whole number >= 0, got {num_items!r}")
     return n
+
+
+def copy_in(slots: torch.Tensor, values: list[float], owner) -> None:
+    """``values`` into the device tensor ``slots`` through the owner's host staging
+    buffer (pinned on a GPU: an asynchronous copy). Reusing the buffer is safe: the
+    previous header was read on the host (its window's close) before this one."""
+    staging = getattr(owner, "_staging", None)
+    if staging is None or staging.dtype != slots.dtype or staging.numel() < len(values):
+        staging = owner._staging = host.staging(max(len(values), 16), slots.dtype,
+                                                slots.device)
+    staging[:len(values)] = torch.tensor(values, dtype=slots.dtype)
+    slots.copy_(staging[:len(values)], non_blocking=True)

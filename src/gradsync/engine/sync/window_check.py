@@ -42,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..transport import comm, fingerprint, host
 from ..transport.fingerprint import DesyncError
 from .desync_text import explain
-from .item_window import HEADER_SLOTS, ItemWindow
+from .item_window import HEADER_SLOTS, ItemWindow, copy_in
 
 WINDOW_SLOTS = HEADER_SLOTS + fingerprint.SLOTS
 _windows: weakref.WeakSet = weakref.WeakSet()
@@ -114,9 +114,10 @@ class CheckedWindow(ItemWindow):
     def write(self, slots: torch.Tensor, group=None) -> None:
         """Items into the first HEADER_SLOTS, the fingerprint after them; the log of
         ``group`` (the header's) is cut here, on every rank at the same point."""
-        super().write(slots[:HEADER_SLOTS])
+        values = self.values()
         if slots.numel() < WINDOW_SLOTS:
             self._sent = None
+            copy_in(slots[:HEADER_SLOTS], values, self)
             return
         log = fingerprint.log_for(group)
         stepping = () if self.under_join else (self.steps, self.dirty)
@@ -128,7 +129,8 @@ class CheckedWindow(ItemWindow):
                       "join": self.under_join}
         log.checked()
         world = self._world(group)
-        fingerprint.encode(value, world, self.enabled, slots[HEADER_SLOTS:WINDOW_SLOTS])
+        values += fingerprint.encode_values(value, world, self.enabled)
+        copy_in(slots[:WINDOW_SLOTS], values, self)  # one copy for the whole header
 
     def _world(self, group) -> int:
         if group not in self._worlds:

@@ -40,6 +40,21 @@ class CollectiveEvent:
     waited_s: float = 0.0
     meta: dict = field(default_factory=dict)
     finished: float | None = None
+    on_gpu: bool = False
+    # on a GPU, wait() returns once the stream waits, so the host clock measures nothing:
+    # CUDA events recorded around it on the stream; their gap is the stream's stall
+    # (read by ``stream_wait_s`` once the events have completed)
+    gpu_wait: tuple | None = None
+
+    def stream_wait_s(self) -> float | None:
+        """Seconds the compute stream stalled in this wait (GPU), None while its events
+        are not complete yet (never blocks); the host's ``waited_s`` elsewhere."""
+        if self.gpu_wait is None:
+            return self.waited_s
+        before, after = self.gpu_wait
+        if not after.query():
+            return None
+        return before.elapsed_time(after) / 1e3
 
 
 Observer = Callable[[str, CollectiveEvent], None]
@@ -95,11 +110,19 @@ class Pending:
         else:
             t0 = self._blocked_since or time.perf_counter()
         if self._work is not None:
+            gpu = self.event is not None and self.event.on_gpu
+            if gpu:
+                before = torch.cuda.Event(enable_timing=True)
+                before.record()
             try:
                 self._work.wait()
             except BaseException as exc:
                 flight_recorder.failed(self._rec, exc)
                 raise
+            if gpu:
+                after = torch.cuda.Event(enable_timing=True)
+                after.record()
+                self.event.gpu_wait = (before, after)
         self._done = True
         flight_recorder.end(self._rec)
         if self.event is not None:
@@ -116,7 +139,7 @@ def _launch(op: str, tensor: torch.Tensor, tag: str, meta: dict | None) -> Colle
     if not _observers or getattr(_composite, "depth", 0):
         return None
     ev = CollectiveEvent(op, tensor.numel() * tensor.element_size(), tag, time.perf_counter(),
-                         meta=meta or {})
+                         meta=meta or {}, on_gpu=tensor.is_cuda)
     for fn in list(_observers):
         fn("launch", ev)
     return ev

@@ -146,15 +146,20 @@ def digit_bits(world: int) -> int:
     return max(1, min(10, (24 - max(1, world).bit_length()) // 2))
 
 
-def encode(value: int, world: int, enabled: bool, out: torch.Tensor) -> None:
-    """``value`` (any int) as DIGITS digits and their squares, into ``out`` (SLOTS)."""
+def encode_values(value: int, world: int, enabled: bool) -> list[float]:
+    """``value`` (any int) as the enabled flag, then DIGITS digits and their squares."""
     bits = digit_bits(world)
     mask = (1 << bits) - 1
     vals = [1.0 if enabled else 0.0]
     for i in range(DIGITS):
         d = (value >> (i * bits)) & mask
         vals += [float(d), float(d * d)]
-    out.copy_(torch.tensor(vals, dtype=out.dtype))
+    return vals
+
+
+def encode(value: int, world: int, enabled: bool, out: torch.Tensor) -> None:
+    """:func:`encode_values` into ``out`` (SLOTS)."""
+    out.copy_(torch.tensor(encode_values(value, world, enabled), dtype=out.dtype))
 
 
 def agree(summed: list[float], world: int) -> bool:
