@@ -135,6 +135,10 @@ def save(sess, step: int) -> None:
         except OSError as e:
             raise storage_error(e, "the checkpoint shards", path) from None
     module_state = strategy.full_state_dict()  # a collective for ZeRO-3
+    # every rank's generators (a collective): dropout on ranks of uneven work draws
+    # differently, so rank 0's alone did not continue the other ranks bit for bit
+    rngs = comm.all_gather_object({"cpu": torch.get_rng_state(),
+                                   "device": device_rng_state(sess.device)}, tag="rng")
     if rank != 0:
         sess.faults.at_save(rank, step)
         return
@@ -147,8 +151,8 @@ def save(sess, step: int) -> None:
                  "world_sizes": list(sess.world_sizes),
                  "config": {**cfg.to_dict(), "optimizer": cfg.optimizer_name},  # auto resolved
                  "strategy_extra": strategy.extra_state(), "loss": sess.last_loss,
-                 "rng": torch.get_rng_state(), "device_rng": device_rng_state(sess.device),
-                 "unit": {**ident, "shards": shards}},
+                 "rng": rngs[0]["cpu"], "device_rng": rngs[0]["device"],
+                 "rng_by_rank": rngs, "unit": {**ident, "shards": shards}},
                 sess.ckpt_path, before_replace=lambda: sess.faults.at_save(0, step))
     if shard_dir:  # the previous steps' shards are no longer referenced
         root = os.path.join(cfg.out, SHARDS)
@@ -197,9 +201,14 @@ def load(sess) -> int:
     else:  # an older checkpoint: every worker's DistributedSampler position
         sess.sampler.load_state_dict(StepSampler.from_rank_states(state["samplers"],
                                                                   cfg.global_batch))
-    if state.get("rng") is not None:
-        torch.set_rng_state(state["rng"])
-    set_device_rng_state(sess.device, state.get("device_rng"))
+    by_rank = state.get("rng_by_rank")
+    if by_rank and len(by_rank) == sess.world:  # the same workers: each its own generators
+        torch.set_rng_state(by_rank[sess.rank]["cpu"])
+        set_device_rng_state(sess.device, by_rank[sess.rank]["device"])
+    else:  # another number of workers (or an older checkpoint): rank 0's, as before
+        if state.get("rng") is not None:
+            torch.set_rng_state(state["rng"])
+        set_device_rng_state(sess.device, state.get("device_rng"))
     sess.balancer.load_state_dict(state.get("balance"))  # the split in force continues
     return int(state["step"])
 

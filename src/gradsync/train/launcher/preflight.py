@@ -49,7 +49,7 @@ def preflight(cfg: TrainConfig, model_fn=None) -> tuple[state.ResumePlan, RunLoc
             raise
         split = False
     check_data_parts_world(cfg, cfg.workers)  # P divides K: said before any worker starts
-    gdist.resolve_backend(cfg.backend)
+    gdist.check_local_devices(gdist.resolve_backend(cfg.backend), cfg.workers)  # GPUs per worker
     if cfg.data in DATASETS:
         try:
             n = len(builtin_data(cfg.data, cfg).train)
