@@ -29,6 +29,7 @@ RANK = {
     "errors": 0, "heap": 0, "lifeline": 0, "forkserver": 0, "sigint": 0, "runfiles": 0.5,
     "failures": 1.5,  # launch's reading of a failed worker group (below launch, above dist)
     "dist": 1, "factory": 1, "rundir": 1, "models": 1, "data": 1,
+    "safeload": 1,  # the one torch-file reader (weights only), below the engine that loads shards
     "hang_report": 1,  # reads flight records for launch; the engine writes them (below launch)
     "launch": 2,
     # the engine, by layer

@@ -25,6 +25,11 @@ def register(sub, help_line: str) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, metavar="SPEC",
                    help="rebuild the model from this pkg.module:factory (or built-in name) "
                         "instead of the run's --model")
+    p.add_argument("--trust-checkpoint-code", action="store_true",
+                   help="load the run's checkpoint with full pickle, which can run code the "
+                        "file names: only for a checkpoint you wrote yourself holding your own "
+                        "types. Without it the checkpoint is read as data only, as every "
+                        "checkpoint gradsync writes is")
     p.set_defaults(run=run)
     return p
 
@@ -32,7 +37,8 @@ def register(sub, help_line: str) -> argparse.ArgumentParser:
 def run(args) -> int:
     from ..train.export import export_run
 
-    r = export_run(args.run_dir, args.format, args.dest, model=args.model)
+    r = export_run(args.run_dir, args.format, args.dest, model=args.model,
+                   trust_code=args.trust_checkpoint_code)
     print(f"gradsync export: step {r.step} of {r.run} ({r.strategy}, {r.precision}; "
           f"{r.weights}) -> {args.dest}: {', '.join(r.files)}")
     return 0

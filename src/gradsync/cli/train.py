@@ -93,11 +93,13 @@ def _where(cfg, failed: bool = False) -> str:
     """Where the run stands: the last complete checkpoint, if any (after a failure, the
     command continues once its cause is fixed: rerunning a model error repeats it)."""
     from ..rundir import CHECKPOINT
+    from ..safeload import trusting
     from ..train.checkpoint import read_header
 
     ckpt = os.path.join(cfg.out, CHECKPOINT)
     try:
-        header = read_header(ckpt)  # verified: a damaged one is not offered as a step
+        with trusting(cfg.trust_checkpoint_code):  # data only, unless the user opted in
+            header = read_header(ckpt)  # verified: a damaged one is not offered as a step
     except UsageError as e:
         return f"no usable checkpoint to continue from: {e}"
     fixed = "once the cause is fixed, " if failed else ""

@@ -28,6 +28,7 @@ from .. import dist as gdist
 from ..errors import UsageError, WorkerFailedError
 from ..factory import check_factory, factory_name, is_factory_spec
 from ..rundir import CHECKPOINT
+from ..safeload import trusting
 from . import state
 from .callbacks import check_callbacks
 from .checkpoint import read_header
@@ -40,7 +41,7 @@ from .save_size import space_needed
 from .schedule import finished_line
 from .task import builtin_data
 
-ONE_LINE_ERRORS = ("UsageError", "CheckpointCorrupt", "CheckpointError")
+ONE_LINE_ERRORS = ("UsageError", "CheckpointCorrupt", "CheckpointError", "UnsafeFileError")
 """Worker errors that are the user's to fix: the launcher says them in one line, exit 2."""
 
 
@@ -83,7 +84,8 @@ def preflight(cfg: TrainConfig, model_fn=None) -> tuple[state.ResumePlan, RunLoc
     lock = RunLock(cfg.out, created=created).acquire()
     try:
         path = os.path.join(cfg.out, CHECKPOINT)
-        plan = state.decide(cfg, read_header(path))  # verified: the whole unit, every byte
+        with trusting(cfg.trust_checkpoint_code):  # data only, unless the user opted in
+            plan = state.decide(cfg, read_header(path))  # verified: the whole unit, every byte
         if not split:  # on resume: the worker counts and micro-batches that carry it
             cfg.accumulation(cfg.workers, resuming=plan.action != "fresh")
     except BaseException:

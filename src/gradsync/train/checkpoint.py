@@ -11,7 +11,9 @@ Reading: a checkpoint is checked before anything uses it. torch.save writes a
 zip archive whose entries carry CRC-32s that ``torch.load`` never checks, so a
 flipped byte inside tensor data loads silently (and a run "resumed" from it
 diverges). :func:`verify` checks every entry's CRC, and each tensor's own CRC-32
-recorded at save time names which tensor holds the damage.
+recorded at save time names which tensor holds the damage. Every read is a
+weights-only load (:mod:`gradsync.safeload`): a checkpoint is data, never code, even
+when its checksums are as valid as its author made them.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import zlib
 
 import torch
 
-from ..errors import StorageError, UsageError
+from ..errors import StorageError, UnsafeFileError, UsageError
 from ..rundir import SHARDS, TMP_PREFIX
+from ..safeload import load as safe_load
 
 FORMAT = "gradsync-checkpoint"
 VERSION = 3  # 3: the unit record (run id, step, config digest, shard checksums)
@@ -157,7 +160,7 @@ def verify(path: str) -> None:
     if bad.endswith("data.pkl"):
         raise _damaged(path, f"its index ({bad}) fails its checksum")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = safe_load(path, f"checkpoint {path}")
         saved = state.get("digests") or {}
         now = tensor_digests({k: v for k, v in state.items() if k != "digests"})
         names = [k for k, crc in saved.items() if now.get(k) != crc]
@@ -175,7 +178,9 @@ def load_checkpoint(path: str, verified: bool = True) -> dict:
     if verified:
         verify(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = safe_load(path, f"checkpoint {path}")
+    except UnsafeFileError:
+        raise
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise CheckpointCorrupt(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
                                 "it may be truncated or from another program") from None

@@ -1,8 +1,9 @@
 """``gradsync export RUN --format safetensors|torch|hf DIR``: the trained model, out of a run.
 
 The checkpoint is verified as a resume verifies it (``unit.read_unit``: every byte
-of ``checkpoint.pt`` and of its shard directory) before anything is read; a
-damaged one is refused in one line. The model is rebuilt from the run's
+of ``checkpoint.pt`` and of its shard directory, and every file read as data only,
+:mod:`gradsync.safeload`) before anything is read; a damaged or crafted one is
+refused in one line. The model is rebuilt from the run's
 ``config.json`` spec (``--model``: a built-in name or ``pkg.module:factory``; the
 export's own ``--model`` overrides it, for a run trained from Python with a model
 object), the trained weights are loaded into it (``export_weights``: fp32 masters
@@ -34,6 +35,7 @@ from ..errors import UsageError
 from ..factory import is_factory_spec, load_factory
 from ..models import MODELS, build_model
 from ..rundir import CHECKPOINT, TMP_PREFIX, write_bytes, write_json
+from ..safeload import trusting
 from .checkpoint import load_checkpoint, read_header
 from .export_weights import load_trained
 
@@ -112,17 +114,20 @@ def _write(model: nn.Module, fmt: str, dest: str, meta: dict) -> list[str]:
     return [FILES[fmt]]
 
 
-def export_run(run_dir: str, fmt: str, dest: str, model: str | None = None) -> Exported:
-    """Write the trained model of ``run_dir``'s checkpoint to ``dest`` in format ``fmt``."""
+def export_run(run_dir: str, fmt: str, dest: str, model: str | None = None,
+               trust_code: bool = False) -> Exported:
+    """Write the trained model of ``run_dir``'s checkpoint to ``dest`` in format ``fmt``
+    (``trust_code``: ``--trust-checkpoint-code``, the user's opt-in to full unpickling)."""
     if fmt not in FORMATS:
         raise UsageError(f"unknown --format {fmt!r}; choose from {', '.join(FORMATS)}")
     path = os.path.join(run_dir, CHECKPOINT)
     if not os.path.isdir(run_dir):
         raise UsageError(f"{run_dir} is not a run directory")
-    header = read_header(path)  # every byte of the unit verified, or one line saying why not
-    if header is None:
-        raise UsageError(f"{run_dir} holds no checkpoint ({CHECKPOINT}): nothing to export")
-    state = load_checkpoint(path, verified=False)
+    with trusting(trust_code):  # data only, unless the user opted in
+        header = read_header(path)  # every byte of the unit verified, or one line saying why not
+        if header is None:
+            raise UsageError(f"{run_dir} holds no checkpoint ({CHECKPOINT}): nothing to export")
+        state = load_checkpoint(path, verified=False)
     config = state.get("config") or {}
     spec = model or config.get("model") or ""
     if os.path.exists(dest) and not os.path.isdir(dest):
@@ -131,7 +136,8 @@ def export_run(run_dir: str, fmt: str, dest: str, model: str | None = None) -> E
     if fmt == "hf" and not is_transformers_model(module):  # before anything is written
         raise UsageError(f"--format hf needs a transformers PreTrainedModel; the run's model "
                          f"is a {type(module).__name__}: use --format safetensors")
-    weights = load_trained(module, state, run_dir, spec)
+    with trusting(trust_code):
+        weights = load_trained(module, state, run_dir, spec)
     module.eval()
     os.makedirs(dest, exist_ok=True)
     result = Exported(run=os.path.abspath(run_dir), run_id=header.get("run_id"),

@@ -34,6 +34,7 @@ from ..rundir import (
     rewrite_metrics,
     write_json,
 )
+from ..safeload import trusting
 from . import ft_step, state
 from .checkpoint import read_header, remove_stale_temporaries
 from .config import TrainConfig
@@ -124,7 +125,8 @@ def _prepare_run_dir(cfg: TrainConfig, prepared: bool, need: int | None):
     try:
         remove_stale_temporaries(cfg.out)
         path = os.path.join(cfg.out, CHECKPOINT)
-        plan = state.decide(cfg, read_header(path))  # every byte verified before any is used
+        with trusting(cfg.trust_checkpoint_code):  # data only, unless the user opted in
+            plan = state.decide(cfg, read_header(path))  # every byte verified before any use
     except BaseException:
         if lock:
             lock.release()
@@ -215,7 +217,8 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
     sess.slowdown = slowdown
     sess.world_sizes = list(plan.world_sizes) if plan.action == "resume" else []
     if plan.action == "resume":
-        sess.start_step = sess.last_checkpoint = state.load(sess)
+        with trusting(cfg.trust_checkpoint_code):  # every rank reads data only, unless opted in
+            sess.start_step = sess.last_checkpoint = state.load(sess)
     if not sess.world_sizes or sess.world_sizes[-1] != world:
         sess.world_sizes.append(world)
     if cfg.ft_group >= 0:

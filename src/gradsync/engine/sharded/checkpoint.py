@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ...errors import UsageError
+from ...safeload import load as safe_load
 from ..sync.replicas import comm_device
 from ..transport import comm
 from .fsdp.units import first_names
@@ -182,7 +183,7 @@ def _read_verified(path: Path, expect: dict | None = None) -> tuple[dict, list[d
                                   f"says {meta['bytes']})")
         if hashlib.sha256(data).hexdigest() != meta["sha256"]:
             raise CheckpointError(f"{f}: checksum mismatch (file corrupted)")
-        payloads.append(torch.load(io.BytesIO(data), weights_only=False))
+        payloads.append(safe_load(io.BytesIO(data), f"shard file {f}"))  # data, never code
     return manifest, payloads
 
 
