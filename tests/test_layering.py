@@ -27,6 +27,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 # lowest first; an area may import areas of lower rank and itself
 RANK = {
     "errors": 0, "heap": 0, "lifeline": 0, "forkserver": 0, "sigint": 0, "runfiles": 0.5,
+    "atomic": 0.25,  # the one atomic writer: runfiles, engine shards and train write through it
     "failures": 1.5,  # launch's reading of a failed worker group (below launch, above dist)
     "dist": 1, "factory": 1, "rundir": 1, "models": 1, "data": 1,
     "safeload": 1,  # the one torch-file reader (weights only), below the engine that loads shards

@@ -1,10 +1,12 @@
 """Run-directory files that a failure never leaves half-written and damage never crashes.
 
 Writing. A whole file (config.json, summary.json, plan.json, drift.json, trace.json,
-report.html, the PNGs) goes to a temporary file beside it, is fsynced and renamed
-over the old one (``os.replace`` is atomic on POSIX): a full disk or an I/O error
-mid-write leaves the previous file as it was. ``metrics.jsonl`` is appended to,
-one whole line per ``write(2)``; if the write fails, or writes only part of the line
+report.html, the PNGs) is written through gradsync's one atomic writer
+(:mod:`gradsync.atomic`): a temporary file beside it, fsynced and renamed over the
+old one, never through a symbolic link; a full disk or an I/O error mid-write leaves
+the previous file as it was. ``metrics.jsonl`` is appended to, one whole line per
+``write(2)``, opened with ``O_NOFOLLOW`` (a symbolic link planted in its place is
+refused, not appended through); if the write fails, or writes only part of the line
 (a disk that fills mid-line), the file is cut back to its size before the write,
 so readers never meet a line that is half there. Every ``OSError`` becomes one
 :class:`~gradsync.errors.StorageError` whose message leads with the cause ("no
@@ -20,16 +22,13 @@ line and why; a whole JSON file that cannot be decoded is reported as corrupt
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .errors import StorageError
-
-TMP_PREFIX = ".tmp-"  # a file killed mid-write is removed at the next start (train/checkpoint.py)
+from .atomic import TMP_PREFIX, storage_error, write_bytes  # noqa: F401 - TMP_PREFIX re-exported
 
 
 def clean(obj):
@@ -45,36 +44,6 @@ def clean(obj):
 
 def dumps(obj, indent: int | None = None) -> str:
     return json.dumps(clean(obj), indent=indent, allow_nan=False)
-
-
-_CAUSES = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-           errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
-           errno.EPERM: "permission denied",
-           errno.EIO: "input/output error (the disk or its file system failed)"}
-
-
-def storage_error(e: OSError, what: str, path: str, after: str = "") -> StorageError:
-    """``e`` as one line that leads with the cause and names the file."""
-    head = _CAUSES.get(e.errno) or (os.strerror(e.errno) if e.errno else str(e))
-    return StorageError(f"{head} while writing {what} to {path}{after}", e.errno or 0)
-
-
-def write_bytes(path: str, data: bytes, what: str) -> None:
-    """Replace ``path`` with ``data`` atomically: readers see the old file or the new."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{os.path.basename(path)}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        kept = " (the previous one is intact)" if os.path.exists(path) else ""
-        raise storage_error(e, what, path, kept) from None
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
 
 
 def write_text(path: str, text: str, what: str) -> None:
@@ -193,7 +162,8 @@ class MetricsWriter:
     def __init__(self, path: str, fail: Callable[[dict], int | None] | None = None):
         self.path, self._fail = path, fail
         try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                               | os.O_CLOEXEC, 0o666)
         except OSError as e:
             raise storage_error(e, "metrics", path) from None
 

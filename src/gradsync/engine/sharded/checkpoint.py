@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ...atomic import write_bytes
 from ...errors import UsageError
 from ...safeload import load as safe_load
 from ..sync.replicas import comm_device
@@ -72,15 +73,6 @@ def _extra_state(target, kind) -> dict:
 
 def _barrier(group, device) -> None:
     comm.all_reduce(torch.zeros(1, device=device), group, tag="ckpt_barrier")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".part")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -128,7 +120,7 @@ def save_sharded(path, target, optimizer=None, _fail_before_manifest: bool = Fal
     buf = io.BytesIO()
     torch.save(payload, buf)
     if getattr(target, "writes_shards", True):  # HSDP: one host's copy of every shard
-        _write_atomic(tmp / f"shard-{rank:05d}-of-{world:05d}.pt", buf.getvalue())
+        write_bytes(tmp / f"shard-{rank:05d}-of-{world:05d}.pt", buf.getvalue(), "a shard file")
     _barrier(group, device)
     if _fail_before_manifest:
         raise RuntimeError("simulated interruption before the manifest was written")
@@ -143,7 +135,8 @@ def save_sharded(path, target, optimizer=None, _fail_before_manifest: bool = Fal
                     "tensors": [[n, list(s)] for names, shapes, *_ in bufs
                                 for n, s in zip(names, shapes)],
                     "files": files, "identity": identity}
-        _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+        write_bytes(tmp / "manifest.json", json.dumps(manifest, indent=1).encode(),
+                    "the shard manifest")
         _fsync_dir(tmp)
         old = final.with_name(f"{final.name}.old-{int(token.item())}")
         if final.exists():
