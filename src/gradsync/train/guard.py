@@ -8,7 +8,10 @@ method and compressor, counted twice -- the previous checkpoint stays until the
 new one is complete -- less what the current checkpoint already occupies).
 
 The lock is an advisory ``flock`` on ``OUT/gradsync.lock``, whose content names
-the holder (host, pid, start time). The kernel drops it when the holder exits,
+the holder (host, pid, start time). It is opened with ``O_NOFOLLOW`` and used only if
+it is a regular file with one name: a symbolic or hard link planted there (to
+someone's file) is refused in one line, never truncated -- every run, even a refused
+one, rewrites the lock's content. The kernel drops it when the holder exits,
 however it exits, so a lock left by a dead process is simply taken over (and
 said so); Linux's NFS client maps ``flock`` onto POSIX locks, which work across
 nodes. Who holds it: ``gradsync train`` (and ``gradsync.train()`` launching
@@ -37,10 +40,13 @@ import json
 import os
 import shutil
 import socket
+import stat
 import time
 
 from ..errors import UsageError
 from ..rundir import LOCK
+
+PROBE = ".write-test-"
 
 
 def _size(n: float) -> str:
@@ -63,9 +69,12 @@ def check_run_dir(out: str, need_bytes: int | None = None, free=None) -> None:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise UsageError(f"--out {out} cannot be created: {e.strerror or e}") from None
-    probe = os.path.join(out, f".write-test-{os.getpid()}")
+    probe = os.path.join(out, f"{PROBE}{os.getpid()}")
     try:
-        with open(probe, "w") as f:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(probe)  # one left by a killed run of this pid (a link: the link only)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
             f.write("x")
     except OSError as e:
         why = ("read-only file system" if e.errno == errno.EROFS else
@@ -85,7 +94,8 @@ def check_run_dir(out: str, need_bytes: int | None = None, free=None) -> None:
 
 def _describe(holder: dict) -> str:
     since = holder.get("since")
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "?"
+    when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
+            if isinstance(since, (int, float)) and 0 < since < 2**40 else "?")
     return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {when}"
 
 
@@ -103,22 +113,45 @@ class RunLock:
         os.lseek(fd, 0, os.SEEK_SET)
         raw = os.read(fd, 4096)
         try:
-            return json.loads(raw) if raw.strip() else {}
+            holder = json.loads(raw) if raw.strip() else {}
         except ValueError:
             return {}
+        return holder if isinstance(holder, dict) else {}
 
     def _same_file(self, fd: int) -> bool:
         """Whether ``self.path`` still names the inode ``fd`` holds (see the module doc)."""
         try:
-            st, mine = os.stat(self.path), os.fstat(fd)
+            st, mine = os.lstat(self.path), os.fstat(fd)
         except FileNotFoundError:
             return False
         return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
+    def _open(self) -> int:
+        """The lock file, opened (created if absent) without following a link; refused
+        unless a regular file with one name, which gradsync may rewrite."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC, 0o666)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UsageError(f"{self.path} is a symbolic link (to {os.readlink(self.path)}), "
+                                 "not gradsync's lock file, and gradsync never writes through "
+                                 "a link: remove it, then run again") from None
+            raise UsageError(f"{self.path} cannot be opened as gradsync's lock file "
+                             f"({e.strerror or e}): remove it, then run again") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            os.close(fd)
+            what = ("a hard link: one of the " + str(st.st_nlink) + " names of a file"
+                    if stat.S_ISREG(st.st_mode) else "not a regular file")
+            raise UsageError(f"{self.path} is {what}, not gradsync's lock file, which every "
+                             "run rewrites: remove it, then run again")
+        return fd
+
     def _lock(self) -> int:
         """A descriptor of the lock file, locked, and the file still at ``self.path``."""
         for _ in range(100):  # each retry means a holder released between open and flock
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
