@@ -42,6 +42,8 @@ PLAN = "plan.json"
 CHECKPOINT = "checkpoint.pt"
 SHARDS = "checkpoint-shards"
 LOCK = "gradsync.lock"
+MARKER = "gradsync-run.json"  # {"format": RUN_FORMAT}: gradsync may write here (ownership.py)
+RUN_FORMAT = "gradsync-run"
 REPORT = "report.html"
 BASELINE = "baseline"
 # --log trackers (train/trackers/): each library's own files, and the run ids they resume

@@ -1,11 +1,17 @@
 """The run directory checked before any worker starts, and locked while a run uses it.
 
 Checks (each one line, exit 2, before any process is started): ``--out`` is a
-file; ``--out`` cannot be written (tested by writing, since root ignores mode
-bits but not a read-only mount); its device has less free space than a save
-needs (``save_size.space_needed``: what the save writes for this strategy, sync
-method and compressor, counted twice -- the previous checkpoint stays until the
-new one is complete -- less what the current checkpoint already occupies).
+file; ``--out`` is not gradsync's (:mod:`gradsync.ownership`): it holds files gradsync
+did not write -- another tool's ``config.json`` and ``metrics.jsonl`` -- and no
+``gradsync-run.json`` marker, so a run would replace them (``--overwrite`` goes on); a
+directory of a gradsync from before the marker is recognised by its checkpoint
+(verified next, as every checkpoint is) or its gradsync-shaped ``config.json``, and
+marked when a run takes it (:meth:`RunLock.claim`); ``--out`` cannot be written (tested by
+writing, since root ignores mode bits but not a read-only mount); its device has
+less free space than a save needs (``save_size.space_needed``: what the save writes
+for this strategy, sync method and compressor, counted twice -- the previous
+checkpoint stays until the new one is complete -- less what the current checkpoint
+already occupies).
 
 The lock is an advisory ``flock`` on ``OUT/gradsync.lock``, whose content names
 the holder (host, pid, start time). It is opened with ``O_NOFOLLOW`` and used only if
@@ -44,9 +50,16 @@ import stat
 import time
 
 from ..errors import UsageError
-from ..rundir import LOCK
+from ..ownership import entries, mark, marked, refusal
+from ..rundir import BASELINE, CHECKPOINT, CONFIG, LOCK, MARKER, RUN_FORMAT, SHARDS, read_json
 
 PROBE = ".write-test-"
+OWN_NAMES = {LOCK, MARKER, SHARDS, BASELINE, "flight", "restart.json"}
+"""Names in a run directory that only gradsync writes: a directory holding nothing else
+(a run killed before its first file) is gradsync's."""
+GRADSYNC_CONFIG = {"global_batch", "micro_batch", "strategy", "steps", "model", "data"}
+"""Fields every gradsync run's config.json has had: how a run directory from before
+the marker is recognised."""
 
 
 def _size(n: float) -> str:
@@ -58,13 +71,34 @@ def free_space(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
-def check_run_dir(out: str, need_bytes: int | None = None, free=None) -> None:
+def _gradsync_config(out: str) -> bool:
+    value = read_json(os.path.join(out, CONFIG))
+    return isinstance(value, dict) and GRADSYNC_CONFIG <= set(value)
+
+
+def check_owned(out: str, overwrite: bool = False) -> None:
+    """Raise one UsageError unless gradsync may write into ``out`` (module docstring)."""
+    found = entries(out)
+    if overwrite or not found or marked(out, MARKER, RUN_FORMAT):
+        return
+    if CHECKPOINT in found or _gradsync_config(out):  # a run from before the marker
+        return
+    others = [n for n in found if n not in OWN_NAMES and not n.startswith(PROBE)]
+    if others:
+        raise refusal(f"--out {out}", others, "choose another --out (a new or empty directory)",
+                      "a run's files (config.json, metrics.jsonl, checkpoint.pt, ...)")
+
+
+def check_run_dir(out: str, need_bytes: int | None = None, free=None,
+                  overwrite: bool = False) -> None:
     """Raise one UsageError naming the first problem with ``out``; create it if absent.
 
     ``need_bytes``: free space a save needs; ``free``: a function giving the free bytes
-    of a path (default :func:`free_space`)."""
+    of a path (default :func:`free_space`); ``overwrite``: ``--overwrite`` (write into a
+    directory that is not gradsync's)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--out {out} is a file, not a directory; choose another --out")
+    check_owned(out, overwrite)
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
@@ -108,6 +142,7 @@ class RunLock:
         self.fd: int | None = None
         self.took_over: dict | None = None
         self.created = created  # this invocation made ``out``: remove it if left unused
+        self.marked = False  # this invocation wrote the marker: remove it if left unused
 
     def _read(self, fd: int) -> dict:
         os.lseek(fd, 0, os.SEEK_SET)
@@ -176,6 +211,14 @@ class RunLock:
         self.fd = fd
         return self
 
+    def claim(self) -> None:
+        """Mark ``out`` as a gradsync run directory, once its checkpoint (if any) is
+        verified; the lock holder alone writes the marker."""
+        if not marked(self.out, MARKER, RUN_FORMAT):
+            mark(self.out, MARKER, RUN_FORMAT, note="a gradsync run directory: gradsync "
+                                                    "train may write its files here")
+            self.marked = True
+
     def note(self) -> str | None:
         """A line about a stale lock taken over, if there was one."""
         if not self.took_over:
@@ -188,16 +231,20 @@ class RunLock:
 
     def release(self) -> None:
         """Empty the file, remove it while still holding it (acquirers re-check the inode:
-        see the module docstring), then unlock. A run directory this invocation created
-        and nothing else wrote to (a usage error before the first step) is removed too,
-        so a failed start leaves no empty run behind."""
+        see the module docstring), then unlock. A run directory nothing else wrote to (a
+        usage error before the first step) loses the marker this invocation wrote, and is
+        removed if this invocation created it, so a failed start leaves no empty run
+        behind and an empty directory that was there stays empty."""
         if self.fd is None:
             return
         with contextlib.suppress(OSError):
             os.ftruncate(self.fd, 0)
             if self._same_file(self.fd):
                 os.remove(self.path)  # still locked: nobody else is inside
-            if self.created and not os.listdir(self.out):
+            unused = set(os.listdir(self.out)) <= ({MARKER} if self.marked else set())
+            if unused and self.marked:
+                os.remove(os.path.join(self.out, MARKER))
+            if unused and self.created:
                 os.rmdir(self.out)
         os.close(self.fd)  # closing the last descriptor drops the flock
         self.fd = None

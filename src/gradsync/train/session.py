@@ -120,13 +120,15 @@ def _prepare_run_dir(cfg: TrainConfig, prepared: bool, need: int | None):
     the checkpoint and holds the lock (``gradsync train``, :func:`gradsync.train`).
     """
     if not prepared:
-        check_run_dir(cfg.out, need)
+        check_run_dir(cfg.out, need, overwrite=cfg.overwrite)
     lock = None if prepared else RunLock(cfg.out).acquire()
     try:
         remove_stale_temporaries(cfg.out)
         path = os.path.join(cfg.out, CHECKPOINT)
         with trusting(cfg.trust_checkpoint_code):  # data only, unless the user opted in
             plan = state.decide(cfg, read_header(path))  # every byte verified before any use
+        if lock:
+            lock.claim()
     except BaseException:
         if lock:
             lock.release()
