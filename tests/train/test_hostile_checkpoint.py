@@ -14,6 +14,7 @@ safetensors package is missing. Each refusal is one line naming the file, exit 2
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,17 @@ def test_gradsync_export_refuses_it_in_every_format(runs, tmp_path, capfd, where
     assert not ran(marker)
     _refused(r, planted)
     assert not dest.exists()
+
+
+def test_export_says_safetensors_is_missing_without_reading_the_checkpoint(runs, tmp_path,
+                                                                          capfd, monkeypatch):
+    run, marker, _ = _hostile(runs, tmp_path, "checkpoint")
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors: ImportError
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    r = cli_here("export", str(run), "--format", "safetensors", str(tmp_path / "out"),
+                 "--model", TINY["model"], capfd=capfd)
+    assert not ran(marker)
+    assert r.returncode == 2 and "needs the safetensors package" in r.stderr, r.stderr
 
 
 def test_trust_checkpoint_code_is_the_users_explicit_way_past(runs, tmp_path, capfd):
