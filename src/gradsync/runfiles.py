@@ -13,8 +13,10 @@ so readers never meet a line that is half there. Every ``OSError`` becomes one
 space left on device") and names the file -- never a chain of tracebacks.
 
 Reading. A torn line (an interrupted write of an older writer, a crash), a line
-that is not UTF-8 or not JSON is dropped and counted, with a note saying which
-line and why; a whole JSON file that cannot be decoded is reported as corrupt
+that is not UTF-8 or not JSON, or a record whose fields are not of their kinds (a
+``problem`` check, :func:`gradsync.rundir.record_problem`: ``{"epoch": 1}``,
+``{"step": "seven"}``) is dropped and counted, with a note saying which line and
+why; a whole JSON file that cannot be decoded is reported as corrupt
 (:func:`read_json_checked` says why), never raised. Torch-free, below
 :mod:`gradsync.rundir` (which re-exports what its callers use).
 """
@@ -90,8 +92,13 @@ class MetricsFile:
     ordered: list[dict] = field(default_factory=list)  # records and events, in file order
 
 
-def read_metrics_file(path: str) -> MetricsFile:
-    """Every whole, decodable line; the others dropped with a note (never raises)."""
+Problem = Callable[[dict], "str | None"]
+"""What is wrong with a decoded record (None: nothing), for a note "line N: <that>"."""
+
+
+def read_metrics_file(path: str, problem: Problem | None = None) -> MetricsFile:
+    """Every whole, decodable line (of which ``problem`` finds nothing wrong); the others
+    dropped with a note (never raises)."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -119,25 +126,30 @@ def read_metrics_file(path: str) -> MetricsFile:
         if not isinstance(rec, dict):
             out.dropped.append(f"line {i}: not a record")
             continue
+        why = problem(rec) if problem else None
+        if why:
+            out.dropped.append(f"line {i}: {why}")
+            continue
         (out.events if "event" in rec else out.records).append(rec)
         out.ordered.append(rec)
     return out
 
 
-def read_metrics(path: str) -> tuple[list[dict], int]:
+def read_metrics(path: str, problem: Problem | None = None) -> tuple[list[dict], int]:
     """(step records, lines dropped); dropped = -1 when the file does not exist."""
-    m = read_metrics_file(path)
+    m = read_metrics_file(path, problem)
     return m.records, len(m.dropped) if m.exists else -1
 
 
-def rewrite_metrics(path: str, last_step: int) -> tuple[int, list[str]]:
+def rewrite_metrics(path: str, last_step: int,
+                    problem: Problem | None = None) -> tuple[int, list[str]]:
     """Keep the records (and events) of steps ``<= last_step``; drop damaged lines.
 
     A resume continues from the checkpoint's step: steps after it were computed by
     an attempt whose state was lost and are computed again, so keeping both would
     show them twice. Returns (records removed, notes on the lines dropped). Atomic.
     """
-    m = read_metrics_file(path)
+    m = read_metrics_file(path, problem)
     if not m.exists:
         return 0, []
     keep = [r for r in m.ordered if isinstance(r.get("step"), int) and r["step"] <= last_step]
@@ -147,9 +159,9 @@ def rewrite_metrics(path: str, last_step: int) -> tuple[int, list[str]]:
     return removed, m.dropped
 
 
-def truncate_metrics(path: str, last_step: int) -> int:
+def truncate_metrics(path: str, last_step: int, problem: Problem | None = None) -> int:
     """:func:`rewrite_metrics`, returning only the number of records removed."""
-    return rewrite_metrics(path, last_step)[0]
+    return rewrite_metrics(path, last_step, problem)[0]
 
 
 class MetricsWriter:
