@@ -87,6 +87,12 @@ def test_a_summary_of_the_wrong_shape_is_corrupt_not_a_crash(tmp_path, capfd):
                "the run finished" in m for m in missing), missing
 
 
+def test_a_memory_table_of_the_wrong_shape_is_a_note(tmp_path, capfd):
+    run = _run(tmp_path / "run", summary={**SUMMARY, "memory": {"params": "x", "stage": [1]}})
+    _reported(cli_here("report", str(run), capfd=capfd))
+    assert "memory table is not as gradsync writes it" in (run / "report.html").read_text()
+
+
 def test_a_trace_of_the_wrong_shape_is_missing_not_a_crash(tmp_path, capfd):
     run = _run(tmp_path / "run", trace={"traceEvents": "none"})
     missing = _reported(cli_here("report", str(run), capfd=capfd))

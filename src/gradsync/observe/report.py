@@ -136,6 +136,11 @@ def _memory_html(run: RunData) -> str:
     mem = (run.summary or {}).get("memory")
     if not isinstance(mem, dict):
         return ""
+    counts = [mem.get(k, 0) for k, _ in MEMORY_LABELS] + [mem.get("num_params", 0)]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in counts) \
+            or not isinstance(mem.get("stage"), (int, type(None))):
+        return ("<h2>Memory per rank</h2><p class='note'>summary.json's memory table is not "
+                "as gradsync writes it (a field is not a number): not shown.</p>")
     stage = {0: "data parallel", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}.get(mem.get("stage"), "?")
     rows = [(label, f"{mem.get(key, 0) / 2**20:,.2f} MiB") for key, label in MEMORY_LABELS]
     total = sum(mem.get(k, 0) for k in ("params", "grads", "master_params", "optimizer_state"))
