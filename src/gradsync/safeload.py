@@ -26,6 +26,8 @@ and export read goes through :func:`load`:
   one (a ``ContextVar`` is not inherited by threads), a file is data only.
 
 Tensors load on ``map_location`` ("cpu" unless the caller passes the current device).
+The weights-only unpickler is itself the trusted part: torch before 2.6 could be made
+to run code through it (CVE-2025-32434), so gradsync requires torch >= 2.6.
 """
 
 from __future__ import annotations
@@ -91,9 +93,10 @@ def load(source, name: str, *, map_location="cpu", mmap: bool = False):
     """
     if _TRUST.get():
         return torch.load(source, map_location=map_location, weights_only=False, mmap=mmap)
+    allow = (torch.serialization.safe_globals(list(GRADSYNC_TYPES)) if GRADSYNC_TYPES
+             else contextlib.nullcontext())
     try:
-        with torch.serialization.safe_globals(list(GRADSYNC_TYPES)), \
-                warnings.catch_warnings():
+        with allow, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
             return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
