@@ -10,6 +10,7 @@ Real CLI, real runs of the tiny model.
 """
 
 import json
+import os
 import shutil
 
 import pytest
@@ -95,3 +96,18 @@ def test_a_directory_left_unused_loses_its_new_marker(tmp_path):
         assert (path / MARKER).exists()
         lock.release()
     assert not out.exists() and list(kept.iterdir()) == []
+
+
+def test_a_link_in_the_baselines_place_is_replaced_not_followed(tmp_path, capfd):
+    """At 4ab900c a symbolic link at OUT/baseline made --baseline end in a traceback
+    (rmtree refuses a link); now the link is removed and the baseline runs in place."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "data.csv").write_text("their data")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "baseline").symlink_to(theirs, target_is_directory=True)
+    r = _train(out, capfd, "--baseline", "--baseline-steps", "1", steps=1)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert os.listdir(theirs) == ["data.csv"] and (theirs / "data.csv").read_text() == "their data"
+    assert (out / "baseline").is_dir() and not (out / "baseline").is_symlink()

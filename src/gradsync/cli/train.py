@@ -133,6 +133,8 @@ def _run_baseline(cfg, model_fn=None, data_fn=None) -> None:
     from ..train.loop import run_worker
 
     bcfg = baseline_config(cfg)
+    if os.path.islink(bcfg.out):  # a link in the baseline's place: removed, never followed
+        os.remove(bcfg.out)
     if os.path.exists(os.path.join(bcfg.out, "summary.json")):
         print(f"gradsync train: reusing the baseline in {bcfg.out}", flush=True)
         return
