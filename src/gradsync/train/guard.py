@@ -174,8 +174,8 @@ class RunLock:
                                  "a link: remove it, then run again") from None
             raise UsageError(f"{self.path} cannot be opened as gradsync's lock file "
                              f"({e.strerror or e}): remove it, then run again") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        st = os.fstat(fd)  # no names (0): a file its holder just removed, retried by _lock
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
             os.close(fd)
             what = ("a hard link: one of the " + str(st.st_nlink) + " names of a file"
                     if stat.S_ISREG(st.st_mode) else "not a regular file")
