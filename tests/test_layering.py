@@ -37,9 +37,12 @@ DOC = SRC.parent / "docs" / "architecture.md"
 # lowest first; an area may import areas of lower rank and itself
 RANK = {
     "errors": 0, "heap": 0, "lifeline": 0, "forkserver": 0, "sigint": 0, "runfiles": 0.5,
+    "atomic": 0.25,  # the one atomic writer: runfiles, engine shards and train write through it
     "failures": 1.5,  # launch's reading of a failed worker group (below launch, above dist)
+    "ownership": 0.75,  # which directories gradsync may write into (train and export ask it)
     "nccl_rules": 0.9,  # NCCL's rules on gloo (dist initialises it)
     "dist": 1, "factory": 1, "rundir": 1, "models": 1, "data": 1,
+    "safeload": 1,  # the one torch-file reader (weights only), below the engine that loads shards
     "hang_report": 1,  # reads flight records for launch; the engine writes them (below launch)
     "launch": 2,
     # the engine, by layer

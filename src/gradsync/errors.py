@@ -34,3 +34,9 @@ class StorageError(GradsyncError):
     def __init__(self, message: str, errno_: int = 0):
         super().__init__(message)
         self.errno = errno_
+
+
+class UnsafeFileError(UsageError):
+    """A file gradsync will not load, because loading it would run code: a pickle that
+    names a function or class beyond tensors and plain data (a crafted checkpoint, or
+    another program's objects). One line naming the file and what it names; exit code 2."""

@@ -9,13 +9,19 @@ How the files are written and read (atomically, whole lines only, tolerantly):
 :mod:`gradsync.runfiles`. JSON written there is always valid JSON: a NaN or
 infinite float (a diverged loss, a step time never measured) is written as
 ``null``, because Python's ``json`` would otherwise emit the bare token ``NaN``
-that other readers (browsers, ``jq``) refuse.
+that other readers (browsers, ``jq``) refuse. ``metrics.jsonl`` is read through
+:func:`read_metrics_file` and its siblings here, which drop (with a note) any record
+whose fields are not of the kinds :class:`StepRecord` and :data:`RESTART_FIELDS`
+declare: a run directory may come from someone else, or another tool may have
+written its lines, and ``{"epoch": 1}`` or ``{"step": "seven"}`` must not crash the
+report (:func:`record_problem`).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from . import runfiles
 from .runfiles import (  # noqa: F401 - the writing and reading, re-exported for callers
     TMP_PREFIX,
     MetricsFile,
@@ -24,10 +30,6 @@ from .runfiles import (  # noqa: F401 - the writing and reading, re-exported for
     dumps,
     read_json,
     read_json_checked,
-    read_metrics,
-    read_metrics_file,
-    rewrite_metrics,
-    truncate_metrics,
     write_bytes,
     write_json,
     write_text,
@@ -42,6 +44,8 @@ PLAN = "plan.json"
 CHECKPOINT = "checkpoint.pt"
 SHARDS = "checkpoint-shards"
 LOCK = "gradsync.lock"
+MARKER = "gradsync-run.json"  # {"format": RUN_FORMAT}: gradsync may write here (ownership.py)
+RUN_FORMAT = "gradsync-run"
 REPORT = "report.html"
 BASELINE = "baseline"
 # --log trackers (train/trackers/): each library's own files, and the run ids they resume
@@ -108,6 +112,103 @@ class StepRecord:
         return _drop_none(asdict(self), keep=("loss", "grad_norm"))
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _list_of(check):
+    return lambda v: isinstance(v, list) and all(check(x) for x in v)
+
+
+# a kind in StepRecord's and Summary's annotations -> its check (a field itself may be
+# null: a non-finite float is written so; an element of a list may not)
+_KINDS = {"int": _whole, "float": _number, "bool": lambda v: isinstance(v, bool),
+          "str": lambda v: isinstance(v, str), "dict": lambda v: isinstance(v, dict),
+          "list[float]": _list_of(_number), "list[int]": _list_of(_whole),
+          "dict[str, float]": lambda v: isinstance(v, dict) and all(
+              isinstance(k, str) and (x is None or _number(x)) for k, x in v.items())}
+_WORDS = {"int": "a whole number", "float": "a number", "bool": "true or false",
+          "str": "a string", "dict": "a table", "list[float]": "a list of numbers",
+          "list[int]": "a list of whole numbers", "dict[str, float]": "a table of numbers"}
+
+
+def _failures(v) -> bool:
+    return isinstance(v, list) and all(isinstance(f, dict) and _whole(f.get("rank"))
+                                       and isinstance(f.get("how", ""), str) for f in v)
+
+
+RESTART_FIELDS = {"event": "str", "step": "int", "attempt": "int", "max_restarts": "int",
+                  "reached_step": "int", "world_size": "int", "unix_time": "float",
+                  "failed": "failures"}
+"""A ``{"event": "restart", ...}`` record's fields and their kinds (``train/restarts.py``
+writes it; ``failed``: [{"rank", "how", "exitcode", "signal", "unix_time"}])."""
+_EVENT_KINDS = {**_KINDS, "failures": _failures}
+_EVENT_WORDS = {**_WORDS, "failures": "a list of failures by rank"}
+_STEP_FIELDS = {f.name: str(f.type) for f in fields(StepRecord)}
+
+
+def _shown(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 30 else text[:27] + "..."
+
+
+def record_problem(rec: dict) -> str | None:
+    """What makes ``rec`` (one decoded line of ``metrics.jsonl``) unusable, or None.
+
+    A step record needs a whole-number ``step`` >= 0; every field :class:`StepRecord`
+    declares must be of its kind (a number field may be null: a non-finite value is
+    written so); fields it does not declare are not judged. An event record's known
+    fields likewise (:data:`RESTART_FIELDS`)."""
+    if "event" in rec:
+        table, kinds, words = RESTART_FIELDS, _EVENT_KINDS, _EVENT_WORDS
+    else:
+        if "step" not in rec:
+            return "not a step record (it has no 'step')"
+        if not _whole(rec["step"]) or rec["step"] < 0:
+            return f"not a step record (its 'step' is {_shown(rec['step'])}, not a step number)"
+        table, kinds, words = _STEP_FIELDS, _KINDS, _WORDS
+    return fields_problem(rec, table, kinds, words)
+
+
+def fields_problem(obj: dict, table: dict[str, str], kinds=None, words=None) -> str | None:
+    """The first field of ``obj`` that ``table`` (name -> annotation) declares and whose
+    value is of none of its kinds, in words; None when every one fits."""
+    kinds, words = kinds or _KINDS, words or _WORDS
+    for name, value in obj.items():
+        kind = table.get(name)
+        if kind is None or value is None:
+            continue
+        options = [k.strip() for k in kind.split("|") if k.strip() != "None"]
+        if not any(kinds[k](value) for k in options):
+            return f"its {name!r} is {_shown(value)}, not {words[options[0]]}"
+    return None
+
+
+def read_metrics_file(path: str) -> MetricsFile:
+    """``metrics.jsonl`` as :class:`~gradsync.runfiles.MetricsFile`: whole lines of
+    usable records, a note for each line dropped (:func:`record_problem`)."""
+    return runfiles.read_metrics_file(path, record_problem)
+
+
+def read_metrics(path: str) -> tuple[list[dict], int]:
+    """(step records, lines dropped); dropped = -1 when the file does not exist."""
+    return runfiles.read_metrics(path, record_problem)
+
+
+def rewrite_metrics(path: str, last_step: int) -> tuple[int, list[str]]:
+    """Keep the usable records (and events) of steps ``<= last_step``, atomically
+    (:func:`gradsync.runfiles.rewrite_metrics`)."""
+    return runfiles.rewrite_metrics(path, last_step, record_problem)
+
+
+def truncate_metrics(path: str, last_step: int) -> int:
+    return runfiles.truncate_metrics(path, last_step, record_problem)
+
+
 @dataclass
 class Summary:
     """``summary.json``: written once, when the last step is done (its presence = finished)."""
@@ -153,6 +254,11 @@ class Summary:
 
     def to_json(self) -> dict:
         return clean(asdict(self))
+
+    @classmethod
+    def problem(cls, d: dict) -> str | None:
+        """A field of a decoded summary.json that is not of its kind, in words, or None."""
+        return fields_problem(d, {f.name: str(f.type) for f in fields(cls)})
 
     @classmethod
     def from_json(cls, d: dict) -> Summary:

@@ -1,18 +1,22 @@
 """Run-directory files that a failure never leaves half-written and damage never crashes.
 
 Writing. A whole file (config.json, summary.json, plan.json, drift.json, trace.json,
-report.html, the PNGs) goes to a temporary file beside it, is fsynced and renamed
-over the old one (``os.replace`` is atomic on POSIX): a full disk or an I/O error
-mid-write leaves the previous file as it was. ``metrics.jsonl`` is appended to,
-one whole line per ``write(2)``; if the write fails, or writes only part of the line
+report.html, the PNGs) is written through gradsync's one atomic writer
+(:mod:`gradsync.atomic`): a temporary file beside it, fsynced and renamed over the
+old one, never through a symbolic link; a full disk or an I/O error mid-write leaves
+the previous file as it was. ``metrics.jsonl`` is appended to, one whole line per
+``write(2)``, opened with ``O_NOFOLLOW`` (a symbolic link planted in its place is
+refused, not appended through); if the write fails, or writes only part of the line
 (a disk that fills mid-line), the file is cut back to its size before the write,
 so readers never meet a line that is half there. Every ``OSError`` becomes one
 :class:`~gradsync.errors.StorageError` whose message leads with the cause ("no
 space left on device") and names the file -- never a chain of tracebacks.
 
 Reading. A torn line (an interrupted write of an older writer, a crash), a line
-that is not UTF-8 or not JSON is dropped and counted, with a note saying which
-line and why; a whole JSON file that cannot be decoded is reported as corrupt
+that is not UTF-8 or not JSON, or a record whose fields are not of their kinds (a
+``problem`` check, :func:`gradsync.rundir.record_problem`: ``{"epoch": 1}``,
+``{"step": "seven"}``) is dropped and counted, with a note saying which line and
+why; a whole JSON file that cannot be decoded is reported as corrupt
 (:func:`read_json_checked` says why), never raised. Torch-free, below
 :mod:`gradsync.rundir` (which re-exports what its callers use).
 """
@@ -20,16 +24,13 @@ line and why; a whole JSON file that cannot be decoded is reported as corrupt
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .errors import StorageError
-
-TMP_PREFIX = ".tmp-"  # a file killed mid-write is removed at the next start (train/checkpoint.py)
+from .atomic import TMP_PREFIX, storage_error, write_bytes  # noqa: F401 - TMP_PREFIX re-exported
 
 
 def clean(obj):
@@ -45,36 +46,6 @@ def clean(obj):
 
 def dumps(obj, indent: int | None = None) -> str:
     return json.dumps(clean(obj), indent=indent, allow_nan=False)
-
-
-_CAUSES = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-           errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
-           errno.EPERM: "permission denied",
-           errno.EIO: "input/output error (the disk or its file system failed)"}
-
-
-def storage_error(e: OSError, what: str, path: str, after: str = "") -> StorageError:
-    """``e`` as one line that leads with the cause and names the file."""
-    head = _CAUSES.get(e.errno) or (os.strerror(e.errno) if e.errno else str(e))
-    return StorageError(f"{head} while writing {what} to {path}{after}", e.errno or 0)
-
-
-def write_bytes(path: str, data: bytes, what: str) -> None:
-    """Replace ``path`` with ``data`` atomically: readers see the old file or the new."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{os.path.basename(path)}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        kept = " (the previous one is intact)" if os.path.exists(path) else ""
-        raise storage_error(e, what, path, kept) from None
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
 
 
 def write_text(path: str, text: str, what: str) -> None:
@@ -121,8 +92,13 @@ class MetricsFile:
     ordered: list[dict] = field(default_factory=list)  # records and events, in file order
 
 
-def read_metrics_file(path: str) -> MetricsFile:
-    """Every whole, decodable line; the others dropped with a note (never raises)."""
+Problem = Callable[[dict], "str | None"]
+"""What is wrong with a decoded record (None: nothing), for a note "line N: <that>"."""
+
+
+def read_metrics_file(path: str, problem: Problem | None = None) -> MetricsFile:
+    """Every whole, decodable line (of which ``problem`` finds nothing wrong); the others
+    dropped with a note (never raises)."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -150,25 +126,30 @@ def read_metrics_file(path: str) -> MetricsFile:
         if not isinstance(rec, dict):
             out.dropped.append(f"line {i}: not a record")
             continue
+        why = problem(rec) if problem else None
+        if why:
+            out.dropped.append(f"line {i}: {why}")
+            continue
         (out.events if "event" in rec else out.records).append(rec)
         out.ordered.append(rec)
     return out
 
 
-def read_metrics(path: str) -> tuple[list[dict], int]:
+def read_metrics(path: str, problem: Problem | None = None) -> tuple[list[dict], int]:
     """(step records, lines dropped); dropped = -1 when the file does not exist."""
-    m = read_metrics_file(path)
+    m = read_metrics_file(path, problem)
     return m.records, len(m.dropped) if m.exists else -1
 
 
-def rewrite_metrics(path: str, last_step: int) -> tuple[int, list[str]]:
+def rewrite_metrics(path: str, last_step: int,
+                    problem: Problem | None = None) -> tuple[int, list[str]]:
     """Keep the records (and events) of steps ``<= last_step``; drop damaged lines.
 
     A resume continues from the checkpoint's step: steps after it were computed by
     an attempt whose state was lost and are computed again, so keeping both would
     show them twice. Returns (records removed, notes on the lines dropped). Atomic.
     """
-    m = read_metrics_file(path)
+    m = read_metrics_file(path, problem)
     if not m.exists:
         return 0, []
     keep = [r for r in m.ordered if isinstance(r.get("step"), int) and r["step"] <= last_step]
@@ -178,9 +159,9 @@ def rewrite_metrics(path: str, last_step: int) -> tuple[int, list[str]]:
     return removed, m.dropped
 
 
-def truncate_metrics(path: str, last_step: int) -> int:
+def truncate_metrics(path: str, last_step: int, problem: Problem | None = None) -> int:
     """:func:`rewrite_metrics`, returning only the number of records removed."""
-    return rewrite_metrics(path, last_step)[0]
+    return rewrite_metrics(path, last_step, problem)[0]
 
 
 class MetricsWriter:
@@ -193,7 +174,8 @@ class MetricsWriter:
     def __init__(self, path: str, fail: Callable[[dict], int | None] | None = None):
         self.path, self._fail = path, fail
         try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                               | os.O_CLOEXEC, 0o666)
         except OSError as e:
             raise storage_error(e, "metrics", path) from None
 

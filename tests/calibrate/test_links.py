@@ -39,6 +39,12 @@ def test_fit_round_trip_and_planner_view():
         summarise({**one, "version": 0})
 
 
+def test_a_links_file_that_is_not_an_object_is_one_line():
+    """Issue 34: ``--links`` holding a JSON list was an AttributeError traceback at 4ab900c."""
+    with pytest.raises(UsageError, match="it holds a JSON list, not a links file's object"):
+        calibration_from_json("[1, 2]")
+
+
 @pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 def test_netlab_calibrate_end_to_end(tmp_path, capsys):
     from gradsync.cli import main

@@ -120,6 +120,14 @@ def test_profile_roundtrip_and_version(tmp_path):
         profile_from_dict({"version": PROFILE_VERSION, "params": []})
 
 
+def test_a_profile_that_is_not_utf8_is_one_line(tmp_path):
+    """Issue 34: a junk --profile was a UnicodeDecodeError traceback at 4ab900c."""
+    path = tmp_path / "p.json"
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(UsageError, match="is not JSON: byte 0xff at offset 0 is not UTF-8"):
+        load_profile(str(path))
+
+
 def test_bad_simulation_input():
     p = synthetic_profile(layers=2)
     with pytest.raises(UsageError):

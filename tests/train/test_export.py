@@ -5,7 +5,8 @@ module: ddp (float64 MLP), zero2 in bf16 (the fp32 masters live in the shards, a
 the export must be them, not their bf16 rounding in checkpoint.pt), and zero3 on
 transformers' GPT-2 (tied embeddings, stage-3 shards whose records name the tied
 weight by both its names). Every export is loaded into a freshly built model whose
-outputs must equal, bit for bit, those of the trained model.
+outputs must equal, bit for bit, those of the trained model. Each export names its
+``--model`` (a factory a run directory records is never imported on its word).
 """
 
 import os
@@ -48,6 +49,11 @@ def runs(tmp_path_factory):
             model=f"tests.train.factories:{model}", data=f"tests.train.factories:{data}"))
         out[name] = run
     return out
+
+
+def _spec(name: str) -> str:
+    """The run's factory, as the export's command line names it."""
+    return f"tests.train.factories:{RUNS[name][0]}"
 
 
 def _inputs(model: str):
@@ -95,7 +101,7 @@ def _load(fmt: str, dest, model: str):
 def test_export_loads_into_a_fresh_model_with_the_trained_outputs(runs, tmp_path, name, fmt):
     model = RUNS[name][0]
     dest = tmp_path / "export"
-    result = export_run(str(runs[name]), fmt, str(dest))
+    result = export_run(str(runs[name]), fmt, str(dest), model=_spec(name))
     assert result.step == 3 and result.strategy == RUNS[name][2]
     assert (dest / PROVENANCE).exists()
     got = _outputs(_load(fmt, dest, model), model)
@@ -108,7 +114,7 @@ def test_export_loads_into_a_fresh_model_with_the_trained_outputs(runs, tmp_path
 
 def test_zero2_bf16_exports_the_fp32_masters_from_the_shards(runs, tmp_path):
     run, dest = runs["zero2"], tmp_path / "export"
-    result = export_run(str(run), "safetensors", str(dest))
+    result = export_run(str(run), "safetensors", str(dest), model=_spec("zero2"))
     assert "master" in result.weights
     net = _load("safetensors", dest, "tiny32")
     saved = torch.load(run / CHECKPOINT, weights_only=False)["model"]  # bf16 in checkpoint.pt
@@ -122,7 +128,7 @@ def test_zero2_bf16_exports_the_fp32_masters_from_the_shards(runs, tmp_path):
 
 def test_hf_refuses_a_model_that_is_not_a_transformers_model(runs, tmp_path):
     with pytest.raises(UsageError, match="use --format safetensors"):
-        export_run(str(runs["ddp"]), "hf", str(tmp_path / "out"))
+        export_run(str(runs["ddp"]), "hf", str(tmp_path / "out"), model=_spec("ddp"))
     assert not (tmp_path / "out").exists()
 
 
@@ -137,7 +143,7 @@ def test_damaged_checkpoints_are_refused_in_one_line(runs, tmp_path):
     data[start + entry.file_size // 2] ^= 0xFF
     (bad / CHECKPOINT).write_bytes(bytes(data))
     with pytest.raises(UsageError) as e:
-        export_run(str(bad), "torch", str(tmp_path / "a"))
+        export_run(str(bad), "torch", str(tmp_path / "a"), model=_spec("ddp"))
     assert "checkpoint" in str(e.value) and "\n" not in str(e.value)
 
     shards = tmp_path / "zero2"
@@ -147,18 +153,19 @@ def test_damaged_checkpoints_are_refused_in_one_line(runs, tmp_path):
     raw[-1] ^= 0xFF
     shard.write_bytes(bytes(raw))
     with pytest.raises(UsageError, match="checksum") as e:
-        export_run(str(shards), "torch", str(tmp_path / "b"))
+        export_run(str(shards), "torch", str(tmp_path / "b"), model=_spec("zero2"))
     assert "\n" not in str(e.value) and not (tmp_path / "b").exists()
 
 
 def test_the_cli_exports_and_says_what(runs, tmp_path, capsys):
     dest = tmp_path / "cli"
-    assert main(["export", str(runs["ddp"]), "--format", "torch", str(dest)]) == 0
+    model = ["--model", _spec("ddp")]
+    assert main(["export", str(runs["ddp"]), "--format", "torch", str(dest), *model]) == 0
     assert "step 3" in capsys.readouterr().out and (dest / "model.pt").exists()
-    assert main(["export", str(runs["ddp"]), "--format", "hf", str(tmp_path / "x")]) == 2
+    assert main(["export", str(runs["ddp"]), "--format", "hf", str(tmp_path / "x"), *model]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("gradsync export: error:") and len(err.splitlines()) == 1
-    assert main(["export", str(tmp_path / "nothing"), "--format", "torch", str(dest)]) == 2
+    assert main(["export", str(tmp_path / "nothing"), "--format", "torch", str(dest), *model]) == 2
     with pytest.raises(SystemExit) as e:
         main(["export", "--help"])
     assert e.value.code == 0 and "--format" in capsys.readouterr().out

@@ -159,6 +159,8 @@ def calibration_to_json(cal: LinkCalibration) -> str:
 
 def calibration_from_json(text: str) -> LinkCalibration:
     d = json.loads(text)
+    if not isinstance(d, dict):
+        raise UsageError(f"it holds a JSON {type(d).__name__}, not a links file's object")
     if d.get("version") != LINKS_VERSION:
         raise UsageError(f"links file version {d.get('version')!r} is not {LINKS_VERSION}")
 

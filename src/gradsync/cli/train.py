@@ -93,11 +93,13 @@ def _where(cfg, failed: bool = False) -> str:
     """Where the run stands: the last complete checkpoint, if any (after a failure, the
     command continues once its cause is fixed: rerunning a model error repeats it)."""
     from ..rundir import CHECKPOINT
+    from ..safeload import trusting
     from ..train.checkpoint.unit import read_unit
 
     ckpt = os.path.join(cfg.out, CHECKPOINT)
     try:
-        header = read_unit(ckpt)  # verified: a damaged one is not offered as a step
+        with trusting(cfg.trust_checkpoint_code):  # data only, unless the user opted in
+            header = read_unit(ckpt)  # verified: a damaged one is not offered as a step
     except UsageError as e:
         return f"no usable checkpoint to continue from: {e}"
     fixed = "once the cause is fixed, " if failed else ""
@@ -131,6 +133,8 @@ def _run_baseline(cfg, model_fn=None, data_fn=None) -> None:
     from ..train.worker.loop import run_worker
 
     bcfg = baseline_config(cfg)
+    if os.path.islink(bcfg.out):  # a link in the baseline's place: removed, never followed
+        os.remove(bcfg.out)
     if os.path.exists(os.path.join(bcfg.out, "summary.json")):
         print(f"gradsync train: reusing the baseline in {bcfg.out}", flush=True)
         return

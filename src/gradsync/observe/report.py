@@ -136,6 +136,11 @@ def _memory_html(run: RunData) -> str:
     mem = (run.summary or {}).get("memory")
     if not isinstance(mem, dict):
         return ""
+    counts = [mem.get(k, 0) for k, _ in MEMORY_LABELS] + [mem.get("num_params", 0)]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in counts) \
+            or not isinstance(mem.get("stage"), (int, type(None))):
+        return ("<h2>Memory per rank</h2><p class='note'>summary.json's memory table is not "
+                "as gradsync writes it (a field is not a number): not shown.</p>")
     stage = {0: "data parallel", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}.get(mem.get("stage"), "?")
     rows = [(label, f"{mem.get(key, 0) / 2**20:,.2f} MiB") for key, label in MEMORY_LABELS]
     total = sum(mem.get(k, 0) for k in ("params", "grads", "master_params", "optimizer_state"))
@@ -215,21 +220,40 @@ def render_page(run: RunData, figures: dict[str, Figure], timelines: list[StepTi
             f"<script>{SCRIPT}</script></body></html>")
 
 
+_DAMAGE = (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError)
+"""What reading a trace or a plan of the wrong shape raises: the file is not gradsync's."""
+
+
+def _why(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:80]}"
+
+
 def write_report(run_dir: str) -> ReportResult:
     """Write report.html and the PNGs into ``run_dir``; UsageError if it is not a run."""
     run = load_run(run_dir)
     missing = list(run.missing)
     measured = predicted = None
     if run.trace is not None:
-        measured = measured_step(run.trace)
-        if measured is None:
-            missing.append("trace.json holds no complete step")
-        elif run.plan is not None:
-            predicted = predicted_step(run.trace, run.plan,
-                                       int(run.config.get("accumulation", 1)), measured.step)
-            if predicted is None:
-                missing.append("planner (gradsync.plan.simulate) not installed: "
-                               "no predicted timeline")
+        try:
+            measured = measured_step(run.trace)
+        except _DAMAGE as e:  # a trace.json of another program, or damaged: said, not raised
+            missing.append(f"trace.json is not a trace gradsync wrote ({_why(e)}): no "
+                           "measured timeline")
+        else:
+            if measured is None:
+                missing.append("trace.json holds no complete step")
+        if measured is not None and run.plan is not None:
+            try:
+                predicted = predicted_step(run.trace, run.plan,
+                                           int(run.config.get("accumulation", 1)), measured.step)
+            except _DAMAGE as e:
+                missing.append(f"plan.json or trace.json is not as gradsync writes it "
+                               f"({_why(e)}): no predicted timeline")
+            else:
+                if predicted is None:
+                    missing.append("planner (gradsync.plan.simulate) not installed: "
+                                   "no predicted timeline")
     figures = make_figures(run, measured, predicted)
     pngs = []
     for name, fig in figures.items():  # each atomic: a full disk leaves the old figure

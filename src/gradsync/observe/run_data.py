@@ -24,6 +24,7 @@ from ..rundir import (
     PLAN,
     SUMMARY,
     TRACE,
+    Summary,
     read_json,
     read_json_checked,
     read_metrics_file,
@@ -132,10 +133,12 @@ def _load_summary(run: RunData) -> None:
     """summary.json, or -- when it is corrupt or lost and metrics.jsonl shows the last step
     done -- one rebuilt from metrics.jsonl and config.json, with a line saying so."""
     value, why = read_json_checked(os.path.join(run.path, SUMMARY))
-    if isinstance(value, dict):
+    wrong = Summary.problem(value) if isinstance(value, dict) else None
+    if isinstance(value, dict) and not wrong:
         run.summary = value
         return
-    why = why or ("absent" if value is None else "corrupt (not a JSON object)")
+    why = why or (f"corrupt ({wrong})" if wrong else
+                  "absent" if value is None else "corrupt (not a JSON object)")
     steps, last = run.config.get("steps"), run.metrics[-1].get("step") if run.metrics else 0
     if _reached_end(run):
         run.summary = summary_from_metrics(run)
@@ -177,8 +180,10 @@ def repair_summary(path: str) -> str | None:
     """A finished run's summary.json, rewritten from its metrics if it is corrupt or lost;
     returns a line saying so (None: nothing to repair)."""
     value, why = read_json_checked(os.path.join(path, SUMMARY))
-    if isinstance(value, dict) or not os.path.exists(os.path.join(path, METRICS)):
+    wrong = Summary.problem(value) if isinstance(value, dict) else None
+    if (isinstance(value, dict) and not wrong) or not os.path.exists(os.path.join(path, METRICS)):
         return None
+    why = why or (f"corrupt ({wrong})" if wrong else None)
     run = RunData(path, config=read_json(os.path.join(path, CONFIG)) or {})
     m = read_metrics_file(os.path.join(path, METRICS))
     run.metrics, run.events = m.records, m.events

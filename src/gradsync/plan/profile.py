@@ -155,4 +155,7 @@ def load_profile(path: str) -> StepProfile:
         raise UsageError(f"cannot read profile {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise UsageError(f"profile {path} is not JSON: {e.msg} at line {e.lineno}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"profile {path} is not JSON: byte 0x{e.object[e.start]:02x} at "
+                         f"offset {e.start} is not UTF-8") from None
     return profile_from_dict(data)

@@ -25,12 +25,14 @@ from .worker.faults import FaultInjector
 from .worker.loop import run_worker
 
 
-def _continue_hint(out: str) -> str:
+def _continue_hint(out: str, trust_code: bool = False) -> str:
     from ..rundir import CHECKPOINT
+    from ..safeload import trusting
     from .checkpoint.unit import read_unit
 
     try:
-        header = read_unit(os.path.join(out, CHECKPOINT))  # verified, never "step None"
+        with trusting(trust_code):  # data only, unless the user opted in
+            header = read_unit(os.path.join(out, CHECKPOINT))  # verified, never "step None"
     except UsageError as e:
         return f"gradsync.train: no usable checkpoint to continue from: {e}"
     where = f"from step {header['step']}" if header else "from the start (no checkpoint yet)"
@@ -98,7 +100,7 @@ def main(argv=None, callbacks=None) -> int:
         else:
             traceback.print_exc()
         if rank == "0" and cfg is not None and not (echo and _restarts_left() > 0):
-            print(_continue_hint(cfg.out), file=sys.stderr)
+            print(_continue_hint(cfg.out, cfg.trust_checkpoint_code), file=sys.stderr)
         return 1
     finally:
         gdist.shutdown()

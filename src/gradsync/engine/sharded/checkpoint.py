@@ -32,8 +32,10 @@ from pathlib import Path
 
 import torch
 
+from ...atomic import write_bytes
 from ...dist import comm_device
 from ...errors import UsageError
+from ...safeload import load as safe_load
 from ..transport import comm, host
 from .fsdp.units import first_names
 from .fsdp.wrapper import FullyShardedDataParallel
@@ -73,15 +75,6 @@ def _barrier(group, device) -> None:
     """Every rank's shard is on disk before rank 0 reads them (a host barrier: an
     all-reduce, as this was, returns on NCCL before the peers have written)."""
     comm.barrier(group, tag="ckpt_barrier")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".part")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -130,7 +123,7 @@ def save_sharded(path, target, optimizer=None, _fail_before_manifest: bool = Fal
     buf = io.BytesIO()
     torch.save(payload, buf)
     if getattr(target, "writes_shards", True):  # HSDP: one host's copy of every shard
-        _write_atomic(tmp / f"shard-{rank:05d}-of-{world:05d}.pt", buf.getvalue())
+        write_bytes(tmp / f"shard-{rank:05d}-of-{world:05d}.pt", buf.getvalue(), "a shard file")
     _barrier(group, device)
     if _fail_before_manifest:
         raise RuntimeError("simulated interruption before the manifest was written")
@@ -145,7 +138,8 @@ def save_sharded(path, target, optimizer=None, _fail_before_manifest: bool = Fal
                     "tensors": [[n, list(s)] for names, shapes, *_ in bufs
                                 for n, s in zip(names, shapes)],
                     "files": files, "identity": identity}
-        _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+        write_bytes(tmp / "manifest.json", json.dumps(manifest, indent=1).encode(),
+                    "the shard manifest")
         _fsync_dir(tmp)
         old = final.with_name(f"{final.name}.old-{stamp}")
         if final.exists():
@@ -185,7 +179,7 @@ def _read_verified(path: Path, expect: dict | None = None) -> tuple[dict, list[d
                                   f"says {meta['bytes']})")
         if hashlib.sha256(data).hexdigest() != meta["sha256"]:
             raise CheckpointError(f"{f}: checksum mismatch (file corrupted)")
-        payloads.append(torch.load(io.BytesIO(data), weights_only=False))
+        payloads.append(safe_load(io.BytesIO(data), f"shard file {f}"))  # data, never code
     return manifest, payloads
 
 

@@ -14,7 +14,8 @@ checkpoint keeps them:
   in ``module.parameters()`` order (matched against the rebuilt model).
 
 Shard files are read only after their SHA-256 matched (``train/unit.py`` for a
-checkpoint of format 3, the manifest's own record here for older ones).
+checkpoint of format 3, the manifest's own record here for older ones), and only as
+data (:mod:`gradsync.safeload`: weights only, never code).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import os
 import torch
 from torch import nn
 
-from ...errors import UsageError
+from ...errors import UnsafeFileError, UsageError
+from ...safeload import load as safe_load
 from .format import CheckpointCorrupt
 from .unit import MANIFEST
 
@@ -48,7 +50,12 @@ def _shard_payloads(root: str) -> list[dict]:
             raise CheckpointCorrupt(f"{path} cannot be read ({e.strerror or e})") from None
         if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
             raise CheckpointCorrupt(f"{path} does not match its checksum in {MANIFEST}")
-        payloads.append(torch.load(io.BytesIO(data), map_location="cpu", weights_only=False))
+        try:
+            payloads.append(safe_load(io.BytesIO(data), f"shard file {path}"))
+        except UnsafeFileError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+            raise CheckpointCorrupt(f"{path} is unreadable ({type(e).__name__}: {e})") from None
     return payloads
 
 

@@ -1,23 +1,24 @@
 """Checkpoint files that are complete, verified, or absent.
 
-Writing: into a temporary file, fsynced, then renamed over the old one
-(``os.replace`` is atomic on POSIX), so a crash, a Ctrl-C or a full disk mid-save
-leaves the previous checkpoint untouched; the temporary file is removed on the
-way out (or, after a SIGKILL, at the next start). torch.save reports a full disk
-as "unexpected pos N vs M"; the file object here records the operating system's
-own error, so the message says "no space left on device" first.
+Writing: through gradsync's one atomic writer (:mod:`gradsync.atomic`): into a
+temporary file, fsynced, then renamed over the old one, so a crash, a Ctrl-C or a
+full disk mid-save leaves the previous checkpoint untouched; the temporary file is
+removed on the way out (or, after a SIGKILL, at the next start). torch.save reports
+a full disk as "unexpected pos N vs M"; the file object here records the operating
+system's own error, so the message says "no space left on device" first.
 
 Reading: a checkpoint is checked before anything uses it. torch.save writes a
 zip archive whose entries carry CRC-32s that ``torch.load`` never checks, so a
 flipped byte inside tensor data loads silently (and a run "resumed" from it
 diverges). :func:`verify` checks every entry's CRC, and each tensor's own CRC-32
-recorded at save time names which tensor holds the damage.
+recorded at save time names which tensor holds the damage. Every read is a
+weights-only load (:mod:`gradsync.safeload`): a checkpoint is data, never code, even
+when its checksums are as valid as its author made them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import glob
 import os
 import shutil
@@ -26,8 +27,10 @@ import zlib
 
 import torch
 
-from ...errors import StorageError, UsageError
+from ...atomic import replacing, storage_error  # noqa: F401 - storage_error: state.py's
+from ...errors import UnsafeFileError, UsageError
 from ...rundir import SHARDS, TMP_PREFIX
+from ...safeload import load as safe_load
 
 FORMAT = "gradsync-checkpoint"
 VERSION = 3  # 3: the unit record (run id, step, config digest, shard checksums)
@@ -35,15 +38,6 @@ VERSION = 3  # 3: the unit record (run id, step, config digest, shard checksums)
 
 class CheckpointCorrupt(UsageError):
     """A checkpoint whose bytes are not what was written (named: file and tensor)."""
-
-
-def _fsync_dir(path: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 class _RecordingFile:
@@ -61,19 +55,6 @@ class _RecordingFile:
 
     def flush(self) -> None:
         self.f.flush()
-
-
-def storage_error(e: OSError, what: str, path: str) -> StorageError:
-    """An OSError turned into a message that leads with what went wrong."""
-    if e.errno == errno.ENOSPC:
-        head = "no space left on device"
-    elif e.errno == errno.EROFS:
-        head = "read-only file system"
-    elif e.errno in (errno.EACCES, errno.EPERM):
-        head = "permission denied"
-    else:
-        head = os.strerror(e.errno) if e.errno else str(e)
-    return StorageError(f"{head} while writing {what} to {path}", e.errno or 0)
 
 
 def tensor_digests(obj, prefix: str = "") -> dict[str, int]:
@@ -97,31 +78,18 @@ def atomic_save(obj: dict, path: str, before_replace=None) -> int:
     ``before_replace`` runs after the new file is complete and before it replaces
     the old one (fault injection uses it). Returns the file size in bytes.
     """
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f"{TMP_PREFIX}{os.getpid()}-{os.path.basename(path)}")
     payload = {**obj, "digests": tensor_digests(obj)}
-    try:
-        with open(tmp, "wb") as raw:
-            f = _RecordingFile(raw)
-            try:
-                torch.save(payload, f)
-            except RuntimeError:
-                if f.error is not None:
-                    raise f.error from None
-                raise
-            raw.flush()
-            os.fsync(raw.fileno())
-        size = os.path.getsize(tmp)
-        if before_replace is not None:
-            before_replace()
-        os.replace(tmp, path)
-        _fsync_dir(directory)
-        return size
-    except OSError as e:
-        raise storage_error(e, "the checkpoint", path) from None
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
+    with replacing(path, "the checkpoint", before_replace) as raw:
+        f = _RecordingFile(raw)
+        try:
+            torch.save(payload, f)
+        except RuntimeError:
+            if f.error is not None:
+                raise f.error from None
+            raise
+        raw.flush()
+        size = os.fstat(raw.fileno()).st_size
+    return size
 
 
 def remove_stale_temporaries(directory: str) -> list[str]:
@@ -157,7 +125,7 @@ def verify(path: str) -> None:
     if bad.endswith("data.pkl"):
         raise _damaged(path, f"its index ({bad}) fails its checksum")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = safe_load(path, f"checkpoint {path}")
         saved = state.get("digests") or {}
         now = tensor_digests({k: v for k, v in state.items() if k != "digests"})
         names = [k for k, crc in saved.items() if now.get(k) != crc]
@@ -175,7 +143,9 @@ def load_checkpoint(path: str, verified: bool = True) -> dict:
     if verified:
         verify(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = safe_load(path, f"checkpoint {path}")
+    except UnsafeFileError:
+        raise
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise CheckpointCorrupt(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
                                 "it may be truncated or from another program") from None

@@ -14,7 +14,12 @@ preflight and its "continue from step N" hints, the sharded load itself):
    file of its shard directory. The shard directory's ``manifest.json`` carries the
    same identity, so a directory of another run or another step -- even one with
    the same name and intact files -- is refused naming its manifest, and a file whose
-   bytes changed is refused naming the file.
+   bytes changed is refused naming the file;
+4. that every file of it is data: ``checkpoint.pt`` and each shard file load with
+   torch's weights-only unpickler (:mod:`gradsync.safeload`; the shards memory-mapped,
+   so their tensors are not read), because whoever wrote the files wrote the
+   checksums above too: a crafted pickle with matching checksums is refused here, in
+   one line, before any worker starts -- never unpickled in full.
 
 Checkpoints of format 2 (before the unit record) are read with checks 1 and 2; the
 sharded load still checks their files' SHA-256s against the shard manifest.
@@ -29,6 +34,8 @@ import uuid
 
 import torch
 
+from ...errors import UnsafeFileError
+from ...safeload import load as safe_load
 from .format import FORMAT, VERSION, CheckpointCorrupt, verify
 
 MANIFEST = "manifest.json"
@@ -183,6 +190,19 @@ def verify_shards(out: str, path: str, state: dict) -> None:
             raise CheckpointCorrupt(f"{f} does not match its checksum (SHA-256 recorded in "
                                     f"{path}): flipped bytes, or a file of another checkpoint "
                                     f"({_AGAIN})")
+        if name != MANIFEST:
+            _load_shard(f)
+
+
+def _load_shard(f: str) -> None:
+    """A shard file is data (weights only, memory-mapped: its tensors are not read)."""
+    try:
+        safe_load(f, f"shard file {f}", mmap=True)
+    except UnsafeFileError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise CheckpointCorrupt(f"{f} is unreadable ({type(e).__name__}: {e}) "
+                                f"({_AGAIN})") from None
 
 
 def read_unit(path: str) -> dict | None:
@@ -196,7 +216,9 @@ def read_unit(path: str) -> dict | None:
         return None
     verify(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        state = safe_load(path, f"checkpoint {path}", mmap=True)
+    except UnsafeFileError:
+        raise
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise CheckpointCorrupt(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
                                 "it may be truncated or from another program") from None

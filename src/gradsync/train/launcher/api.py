@@ -36,7 +36,7 @@ from ..worker.faults import FaultInjector
 from ..worker.loop import run_worker
 from .preflight import preflight
 
-ONE_LINE_ERRORS = ("UsageError", "CheckpointCorrupt", "CheckpointError")
+ONE_LINE_ERRORS = ("UsageError", "CheckpointCorrupt", "CheckpointError", "UnsafeFileError")
 """Worker errors that are the user's to fix: the launcher says them in one line, exit 2."""
 
 

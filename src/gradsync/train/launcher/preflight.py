@@ -17,6 +17,7 @@ import socket
 from ... import dist as gdist
 from ...errors import UsageError
 from ...rundir import CHECKPOINT
+from ...safeload import trusting
 from ..checkpoint import state
 from ..checkpoint.guard import RunLock, check_run_dir
 from ..checkpoint.size import space_needed
@@ -62,11 +63,13 @@ def preflight(cfg: TrainConfig, model_fn=None) -> tuple[state.ResumePlan, RunLoc
     if cfg.port:
         _check_port_free(cfg.port)
     created = not os.path.exists(cfg.out)
-    check_run_dir(cfg.out, space_needed(cfg, model_fn))
+    check_run_dir(cfg.out, space_needed(cfg, model_fn), overwrite=cfg.overwrite)
     lock = RunLock(cfg.out, created=created).acquire()
     try:
         path = os.path.join(cfg.out, CHECKPOINT)
-        plan = state.decide(cfg, read_unit(path))  # verified: the whole unit, every byte
+        with trusting(cfg.trust_checkpoint_code):  # data only, unless the user opted in
+            plan = state.decide(cfg, read_unit(path))  # verified: the whole unit, every byte
+        lock.claim()  # gradsync's run directory from now on (guard.py)
         if not split:  # on resume: the worker counts and micro-batches that carry it
             cfg.accumulation(cfg.workers, resuming=plan.action != "fresh")
     except BaseException:

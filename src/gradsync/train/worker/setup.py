@@ -32,6 +32,7 @@ from ...rundir import (
     rewrite_metrics,
     write_json,
 )
+from ...safeload import trusting
 from ..checkpoint import state
 from ..checkpoint.format import remove_stale_temporaries
 from ..checkpoint.guard import RunLock, check_run_dir
@@ -67,12 +68,15 @@ def _prepare_run_dir(cfg: TrainConfig, prepared: bool, need: int | None):
     the checkpoint and holds the lock (``gradsync train``, :func:`gradsync.train`).
     """
     if not prepared:
-        check_run_dir(cfg.out, need)
+        check_run_dir(cfg.out, need, overwrite=cfg.overwrite)
     lock = None if prepared else RunLock(cfg.out).acquire()
     try:
         remove_stale_temporaries(cfg.out)
         path = os.path.join(cfg.out, CHECKPOINT)
-        plan = state.decide(cfg, read_unit(path))  # every byte verified before any is used
+        with trusting(cfg.trust_checkpoint_code):  # data only, unless the user opted in
+            plan = state.decide(cfg, read_unit(path))  # every byte verified before any use
+        if lock:
+            lock.claim()
     except BaseException:
         if lock:
             lock.release()
@@ -161,7 +165,8 @@ def setup(cfg: TrainConfig, model_fn=None, data_fn=None, faults: FaultInjector |
     sess.slowdown = slowdown
     sess.world_sizes = list(plan.world_sizes) if plan.action == "resume" else []
     if plan.action == "resume":
-        sess.start_step = sess.last_checkpoint = state.load(sess)
+        with trusting(cfg.trust_checkpoint_code):  # every rank reads data only, unless opted in
+            sess.start_step = sess.last_checkpoint = state.load(sess)
     if not sess.world_sizes or sess.world_sizes[-1] != world:
         sess.world_sizes.append(world)
     if cfg.ft_group >= 0:
