@@ -40,7 +40,7 @@ def _reference():
     model = tiny64()
     x, y = tensors()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, _cfg("-", 4)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, _cfg("-", 4).resolved()))
     blocks, losses = [], []
     for _ in range(STEPS):
         block = [i for part in sampler.part_blocks() for i in part]

@@ -218,7 +218,7 @@ def _drift_with_nan(out: str):
     from gradsync.train.records.instrument import Instruments
 
     cfg = TrainConfig(steps=4, drift_every=2, out=out)
-    inst = Instruments(cfg, gs.rank(), gs.world_size(), torch.device("cpu"))
+    inst = Instruments(cfg.resolved(), gs.rank(), gs.world_size(), torch.device("cpu"))
     torch.manual_seed(0)
     module = nn.Linear(3, 2)
     inst.maybe_check_drift(2, module)  # identical and finite: ok

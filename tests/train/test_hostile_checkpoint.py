@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 
 import gradsync as gs
-from gradsync.cli.train import _where
 from gradsync.engine.sharded.checkpoint import _read_verified
 from gradsync.errors import UnsafeFileError, UsageError
-from gradsync.train.__main__ import _continue_hint
+from gradsync.train.__main__ import TORCHRUN_AGAIN
 from gradsync.train.checkpoint.format import load_checkpoint
+from gradsync.train.checkpoint.restarts import where_to_continue
 from tests.cli_in_process import cli_here
 from tests.train.hostile import plant_in_checkpoint, plant_in_shard, ran
 
@@ -130,8 +130,8 @@ def test_the_hints_after_a_failure_refuse_it(runs, tmp_path, where):
     """"continue from step N" after a failed run (``gradsync train``, and the worker
     entry point torchrun starts) reads the checkpoint: as data only."""
     run, marker, planted = _hostile(runs, tmp_path, where)
-    cfg = gs.TrainConfig(steps=4, strategy=STRATEGY[where], out=str(run), **TINY)
-    for hint in (_where(cfg, failed=True), _continue_hint(str(run))):
+    for hint in (where_to_continue(str(run), False, "gradsync train", failed=True),
+                 where_to_continue(str(run), False, TORCHRUN_AGAIN, failed=True)):
         assert "no usable checkpoint to continue from" in hint and f"{planted} was not " \
             "loaded" in hint and "\n" not in hint, hint
     assert not ran(marker)

@@ -155,7 +155,7 @@ def test_builtin_adamw_flags_and_clip_exact_on_zero2(runs):
 
     cfg = _cfg("unused", warmup=1)
     _check_run(runs / "b", _reference(make_opt, clip=0.5, sched=lambda o: (
-        torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, cfg)))))
+        torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, cfg.resolved())))))
 
 
 @pytest.mark.timeout(300)
@@ -202,7 +202,7 @@ def _factory_optimizer(factory=user_adamw, sharded=False, **cfg):
     model = normed64()
     config = gs.TrainConfig(model="tests.train.factories:normed64", data="teacher",
                             out="unused", **cfg)
-    return model, FactoryOptimizer(factory, "f", 0.1, model, config, sharded)
+    return model, FactoryOptimizer(factory, "f", 0.1, model, config.resolved(), sharded)
 
 
 def test_groups_by_identity_by_position_and_through_the_wrapper():
@@ -250,7 +250,8 @@ def test_factory_results_are_checked():
         fo(model.parameters())
     cfg = gs.TrainConfig(out="u")
     with pytest.raises(UsageError, match="not a torch.optim.lr_scheduler"):
-        own_scheduler(lambda opt, steps: None, torch.optim.SGD(model.parameters(), 0.1), cfg)
+        own_scheduler(lambda opt, steps: None, torch.optim.SGD(model.parameters(), 0.1),
+                      cfg.resolved(), 10)
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -54,7 +54,8 @@ def _save_every_mode(root: str) -> dict:
         cfg = _cfg(os.path.join(root, name), **kw)
         gs.train(cfg, faults=gs.FaultInjector().fail_at(None, 3, "stop"))  # saves after step 3
         if torch.distributed.get_rank() == 0:
-            sizes[name] = {"estimate": estimate_checkpoint_bytes(cfg), "actual": on_disk(cfg.out)}
+            sizes[name] = {"estimate": estimate_checkpoint_bytes(cfg.resolved()),
+                           "actual": on_disk(cfg.out)}
     return sizes
 
 
@@ -74,7 +75,7 @@ def test_estimate_is_within_10_percent_of_the_bytes_on_disk(saved, mode):
 
 def _refused(cfg, free: int) -> str:
     with pytest.raises(UsageError) as e:
-        plan, lock = preflight(cfg)
+        plan, lock = preflight(cfg.resolved())
         lock.release()
     return str(e.value)
 
@@ -91,13 +92,13 @@ def test_140_kib_free_refuses_a_145_kb_checkpoint_fresh_and_resumed(saved, tmp_p
     line = _refused(fresh, free["bytes"])
     assert f"--out {fresh.out}: 140.0 KiB free on its device, but a checkpoint needs " \
            "about" in line, line
-    assert space_needed(fresh) >= 2 * 0.9 * actual  # the new one beside the previous one
+    assert space_needed(fresh.resolved()) >= 2 * 0.9 * actual  # the new one beside the previous one
     resumed_out = tmp_path / "resumed"
     shutil.copytree(root / "about-145k", resumed_out)
     resumed = _cfg(str(resumed_out), **{**kw, "steps": 6})
-    assert 0.9 * actual <= space_needed(resumed) <= 1.1 * actual  # the old one is on disk
+    assert 0.9 * actual <= space_needed(resumed.resolved()) <= 1.1 * actual  # the old one's there
     _refused(resumed, free["bytes"])
     free["bytes"] = 2 * actual + 65536  # enough: the same checks pass, the lock is taken
-    plan, lock = preflight(resumed)
+    plan, lock = preflight(resumed.resolved())
     lock.release()
     assert plan.action == "resume" and plan.step == 3

@@ -37,24 +37,25 @@ def finished(tmp_path_factory) -> str:
 
 def _decide(out: str, **changes):
     cfg = TrainConfig(**{**BASE, "steps": 4, "out": out, **changes})
-    return decide(cfg, read_unit(os.path.join(out, CHECKPOINT)))
+    return decide(cfg.resolved(), read_unit(os.path.join(out, CHECKPOINT)))
 
 
 def test_the_schedule_past_its_plan_stays_at_its_final_rate():
     planned = TrainConfig(steps=10, warmup=2)
     continued = TrainConfig(steps=25, warmup=2, schedule_steps=10)
-    f = [lr_factor(s, continued) for s in range(25)]
-    assert f[:10] == [lr_factor(s, planned) for s in range(10)]  # the plan, unchanged
+    f = [lr_factor(s, continued.resolved()) for s in range(25)]
+    assert f[:10] == [lr_factor(s, planned.resolved()) for s in range(10)]  # the plan, unchanged
     assert f[10:] == pytest.approx([0.1] * 15) and max(f[9:]) == f[9]  # no jump back up
     assert f[9] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 7 / 8)))
     flat = TrainConfig(steps=25, warmup=2, schedule="constant", schedule_steps=10)
-    assert [lr_factor(s, flat) for s in range(2, 25)] == [1.0] * 23
+    assert [lr_factor(s, flat.resolved()) for s in range(2, 25)] == [1.0] * 23
 
 
 def test_a_finished_run_says_how_it_continues(finished):
     plan = _decide(finished)
     assert plan.action == "finished" and plan.schedule_steps == 4
-    line = finished_line(TrainConfig(**{**BASE, "steps": 4, "out": finished}), plan.step, 4)
+    line = finished_line(TrainConfig(**{**BASE, "steps": 4, "out": finished}).resolved(),
+                         plan.step, 4)
     assert "already finished (step 4 of 4); nothing to do. A larger --steps continues it" in line
     assert "keeps its plan (warm-up 1, cosine to 0.01 over 4 steps)" in line
     assert "final rate, 0.01" in line and "--override schedule-steps" in line
@@ -102,13 +103,13 @@ def test_override_takes_only_the_update_rule():
 
 def test_workers_that_cannot_split_the_batch_are_told_which_can(finished, tmp_path):
     with pytest.raises(UsageError) as e:
-        preflight(TrainConfig(**{**BASE, "workers": 3, "steps": 6, "out": finished}))
+        preflight(TrainConfig(**{**BASE, "workers": 3, "steps": 6, "out": finished}).resolved())
     msg = str(e.value)
     assert "try --global-batch" not in msg, msg
     assert "on 3 workers no micro-batch splits 8 samples; it continues on 1 worker with " \
            "--micro-batch 4, 2 with 4, 4 with 2 or 8 with 1" in msg
     with pytest.raises(UsageError, match="try --global-batch 12 or 24"):  # a new run may
-        preflight(TrainConfig(**{**BASE, "workers": 3, "out": str(tmp_path / "new")}))
+        preflight(TrainConfig(**{**BASE, "workers": 3, "out": str(tmp_path / "new")}).resolved())
 
 
 @pytest.mark.timeout(120)
@@ -117,7 +118,7 @@ def test_continuing_a_finished_run_trains_on_at_its_final_rate(finished, tmp_pat
     shutil.copytree(finished, out)
     gs.train(TrainConfig(**{**BASE, "steps": 6, "out": out}))
     lrs = [m["lr"] for m in read_metrics(os.path.join(out, METRICS))[0]]
-    assert lrs[:4] == pytest.approx([LR, LR * lr_factor(1, TrainConfig(steps=4, warmup=1)),
-                                     LR * lr_factor(2, TrainConfig(steps=4, warmup=1)),
-                                     LR * lr_factor(3, TrainConfig(steps=4, warmup=1))])
+    plan = TrainConfig(steps=4, warmup=1).resolved()
+    assert lrs[:4] == pytest.approx([LR, LR * lr_factor(1, plan), LR * lr_factor(2, plan),
+                                     LR * lr_factor(3, plan)])
     assert lrs[4:] == pytest.approx([0.1 * LR] * 2, rel=1e-12)  # not back up the cosine

@@ -17,7 +17,7 @@ def _parse(*argv):
 
 
 def test_cosine_warms_up_then_decays_to_a_tenth():
-    cfg = TrainConfig(steps=10, warmup=2)
+    cfg = TrainConfig(steps=10, warmup=2).resolved()
     f = [lr_factor(s, cfg) for s in range(10)]
     assert f[:2] == [0.5, 1.0]
     assert f[2] == 1.0 and all(a > b for a, b in zip(f[2:], f[3:]))
@@ -28,7 +28,7 @@ def test_cosine_warms_up_then_decays_to_a_tenth():
 def test_constant_holds_the_peak_after_warm_up():
     cfg = _parse("--steps", "10", "--warmup", "3", "--schedule", "constant")
     assert cfg.schedule == "constant"
-    assert [lr_factor(s, cfg) for s in range(10)] == pytest.approx(
+    assert [lr_factor(s, cfg.resolved()) for s in range(10)] == pytest.approx(
         [1 / 3, 2 / 3, 1.0] + [1.0] * 7)
     assert _parse().schedule == "cosine"  # the default is unchanged
 

@@ -66,7 +66,7 @@ def test_dict_inputs_and_padding_labels_train_on_the_global_token_mean(tmp_path,
     torch.manual_seed(0)
     net = getattr(factories, model)()
     opt = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, _cfg("x")))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, _cfg("x").resolved()))
     ref = []
     for j in range(STEPS):
         block = order[j * GB:(j + 1) * GB]

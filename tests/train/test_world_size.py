@@ -61,7 +61,7 @@ def _reference(order):
     x, y = tensors()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     cfg = _cfg("unused", "ddp", 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.resolved()))
     losses = []
     for j in range(STEPS):
         block = order[j * GB:(j + 1) * GB]

@@ -162,19 +162,17 @@ def test_a_parameter_on_the_meta_device_is_named(tmp_path):
     with pytest.raises(gs.UsageError, match=r"--model tests.train.test_write_paths:meta_model: "
                                             r"parameter '0\.weight' \(and 3 more\) is on the "
                                             r"meta device \(a shape, no values\)"):
-        build_task(cfg)
+        build_task(cfg.resolved())
 
 
 def test_diloco_on_another_number_of_workers_gives_the_command(tmp_path, capsys, monkeypatch):
     """Refused before any worker starts, with the command that continues the run."""
     from gradsync.train.checkpoint import state
-    from gradsync.train.checkpoint.guard import RunLock
-    from gradsync.train.launcher import preflight
+    from gradsync.train.config import plan
 
-    out = tmp_path / "run"
-    lock = RunLock(str(out), created=True)
-    monkeypatch.setattr(preflight, "preflight", lambda cfg: (state.ResumePlan("resume", 4, 2, (2,)),
-                                                       lock))
+    out = tmp_path / "run"  # a checkpoint of 2 workers, as the decision reads it
+    monkeypatch.setattr(plan, "decide", lambda cfg, header: state.ResumePlan("resume", 4, 2,
+                                                                             (2,)))
     argv = ["train", "--sync", "diloco", "--sync-every", "2", *QUIET, "--workers", "3",
             "--steps", "8", "--out", str(out)]
     monkeypatch.setattr(sys, "argv", ["gradsync", *argv])

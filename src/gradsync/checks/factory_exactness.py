@@ -97,7 +97,7 @@ def _task(cfg: FactoryCheckConfig):
     from ..train.config.train_config import TrainConfig
     from ..train.task.build import build_task
 
-    tc = TrainConfig(model=cfg.model, data=cfg.data, seed=cfg.seed, out=".")
+    tc = TrainConfig(model=cfg.model, data=cfg.data, seed=cfg.seed, out=".").resolved()
     task = build_task(tc)
     if len(task.data.train) < cfg.samples:
         raise UsageError(f"--data {cfg.data} holds {len(task.data.train)} samples; --n "

@@ -59,18 +59,23 @@ def main(argv: list[str] | None = None) -> int:
     # one-machine --ft-groups, which passes it on to its groups, read it from here, so
     # main(argv) called from Python repeats argv, not the calling program's sys.argv
     args.argv = sys.argv[1:] if argv is None else list(argv)
+    return run_guarded(args.command, args.argv, lambda: args.run(args))
+
+
+def run_guarded(command: str, argv: list[str], run) -> int:
+    """``run()``'s exit code; a UsageError is one line and exit code 2, a StorageError one
+    line with the command to run again, an interrupt exit code 130."""
     try:
-        return int(args.run(args) or 0)
+        return int(run() or 0)
     except UsageError as e:
-        print(f"gradsync {args.command}: error: {e}", file=sys.stderr)
+        print(f"gradsync {command}: error: {e}", file=sys.stderr)
         return 2
     except StorageError as e:
-        again = shlex.join(args.argv)
-        print(f"gradsync {args.command}: error: {e}; once that is fixed, run again: "
-              f"gradsync {again}", file=sys.stderr)
+        print(f"gradsync {command}: error: {e}; once that is fixed, run again: "
+              f"gradsync {shlex.join(argv)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"gradsync {args.command}: interrupted", file=sys.stderr)
+        print(f"gradsync {command}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -13,7 +13,7 @@ import os
 import shlex
 import sys
 
-from ..errors import UsageError, WorkerFailedError
+from ..errors import WorkerFailedError
 from ..sigint import held
 
 EPILOG = """examples:
@@ -49,17 +49,12 @@ def register(sub, help_line: str) -> argparse.ArgumentParser:
     return p
 
 
-_command_line: list[str] = []
-"""The command as given (``gradsync.cli.main`` sets ``args.argv``; :func:`run` keeps it)."""
-
-
-def continue_command(cfg, workers: int | None = None) -> str:
-    """The command line that continues this run (the same one; resume is automatic),
-    with ``--workers`` set to ``workers`` when given."""
-    argv = _command_line
+def continue_command(out: str, argv: list[str], workers: int | None = None) -> str:
+    """The command line that continues the run in ``out`` (the same one, ``argv`` as given;
+    resume is automatic), with ``--workers`` set to ``workers`` when given."""
     new = ["--workers", str(workers)] if workers else []
     if argv[:1] != ["train"]:
-        return shlex.join(["gradsync", "train", "--out", cfg.out, *new])
+        return shlex.join(["gradsync", "train", "--out", out, *new])
     keep, skip = [], False
     for i, a in enumerate(argv):
         if skip:
@@ -73,85 +68,55 @@ def continue_command(cfg, workers: int | None = None) -> str:
             continue
         keep.append(a)
     if "--out" not in keep and not any(a.startswith("--out=") for a in keep):
-        keep += ["--out", cfg.out]
+        keep += ["--out", out]
     return "gradsync " + shlex.join(keep + new)
 
 
-def _check_local_sync_world(cfg, plan) -> None:
-    """A DiLoCo run continues on the number of workers that wrote it: say so before launch,
-    with the command that continues it."""
-    was = plan.was_world
-    if plan.action != "resume" or cfg.sync == "exact" or not was or was == cfg.workers:
-        return
-    raise UsageError(f"{cfg.out} holds a --sync {cfg.sync} run of {was} "
-                     f"worker{'' if was == 1 else 's'}, which continues "
-                     f"on {was} only (between syncs every worker holds its own replica and inner "
-                     f"optimizer state); continue it with: {continue_command(cfg, was)}")
-
-
-def _where(cfg, failed: bool = False) -> str:
-    """Where the run stands: the last complete checkpoint, if any (after a failure, the
-    command continues once its cause is fixed: rerunning a model error repeats it)."""
-    from ..rundir import CHECKPOINT
-    from ..safeload import trusting
-    from ..train.checkpoint.unit import read_unit
-
-    ckpt = os.path.join(cfg.out, CHECKPOINT)
-    try:
-        with trusting(cfg.trust_checkpoint_code):  # data only, unless the user opted in
-            header = read_unit(ckpt)  # verified: a damaged one is not offered as a step
-    except UsageError as e:
-        return f"no usable checkpoint to continue from: {e}"
-    fixed = "once the cause is fixed, " if failed else ""
-    if header is None:
-        return f"no checkpoint had been written yet; {fixed}the same command starts again"
-    return (f"the last complete checkpoint ({ckpt}, step {header['step']}) is intact; "
-            f"{fixed}continue from step {header['step']} with: {continue_command(cfg)}")
-
-
-def baseline_config(cfg):
+def baseline_config(cfg, accumulation: int):
     """One worker, the same micro-batch and accumulation: the per-worker work of the real run.
 
     Scaling efficiency is throughput with K workers over K times this; only the
     global batch shrinks (micro-batch x accumulation), so per-worker compute per
-    step is identical and the difference is communication and waiting.
+    step is identical and the difference is communication and waiting. Another run's
+    flags, so resolved (and checked) as its own.
     """
-    from dataclasses import replace
+    from ..train.config.train_config import TrainConfig
 
-    accum = cfg.accumulation(cfg.workers)
-    return replace(cfg, workers=1, global_batch=cfg.micro_batch * accum,
-                   steps=cfg.baseline_steps, warmup=min(cfg.warmup, cfg.baseline_steps),
-                   out=os.path.join(cfg.out, "baseline"), trace=False, trace_steps="",
-                   drift_every=0, baseline=False, no_report=True, checkpoint_every=0,
-                   eval_every=0, resume="auto", port=0, max_restarts=0, log="",
-                   baseline_steps=type(cfg).baseline_steps,  # its default: no --baseline here
-                   data_parts=1)  # one worker reads the whole set; the work per step is alike
+    steps = cfg.observe.baseline_steps
+    return TrainConfig(**{
+        **cfg.to_dict(), "workers": 1, "global_batch": cfg.batch.micro_batch * accumulation,
+        "steps": steps, "warmup": min(cfg.optim.warmup, steps),
+        "out": os.path.join(cfg.run.out, "baseline"), "trace": False, "trace_steps": "",
+        "drift_every": 0, "baseline": False, "no_report": True, "checkpoint_every": 0,
+        "eval_every": 0, "resume": "auto", "port": 0, "max_restarts": 0, "log": "",
+        "baseline_steps": TrainConfig.baseline_steps,  # its default: no --baseline here
+        "data_parts": 1}).resolved()  # one worker reads the whole set; the work per step alike
 
 
-def _run_baseline(cfg, model_fn=None, data_fn=None) -> None:
+def _run_baseline(cfg, accumulation: int) -> None:
     from ..launch import launch
     from ..train.worker.loop import run_worker
 
-    bcfg = baseline_config(cfg)
-    if os.path.islink(bcfg.out):  # a link in the baseline's place: removed, never followed
-        os.remove(bcfg.out)
-    if os.path.exists(os.path.join(bcfg.out, "summary.json")):
-        print(f"gradsync train: reusing the baseline in {bcfg.out}", flush=True)
+    bcfg = baseline_config(cfg, accumulation)
+    out = bcfg.run.out
+    if os.path.islink(out):  # a link in the baseline's place: removed, never followed
+        os.remove(out)
+    if os.path.exists(os.path.join(out, "summary.json")):
+        print(f"gradsync train: reusing the baseline in {out}", flush=True)
         return
-    if os.path.exists(bcfg.out):
+    if os.path.exists(out):
         import shutil
 
-        shutil.rmtree(bcfg.out)  # an unfinished baseline: start it again
-    os.makedirs(bcfg.out)
-    print(f"gradsync train: 1-worker baseline, {bcfg.steps} step{'' if bcfg.steps == 1 else 's'}"
-          f", micro-batch "
-          f"{bcfg.micro_batch} x accumulation {bcfg.global_batch // bcfg.micro_batch}",
-          flush=True)
-    launch(run_worker, 1, (bcfg.to_dict(), model_fn, data_fn, None, True),
-           backend=cfg.backend, timeout_s=cfg.timeout)
+        shutil.rmtree(out)  # an unfinished baseline: start it again
+    os.makedirs(out)
+    steps = bcfg.run.steps
+    print(f"gradsync train: 1-worker baseline, {steps} step{'' if steps == 1 else 's'}, "
+          f"micro-batch {bcfg.batch.micro_batch} x accumulation {accumulation}", flush=True)
+    launch(run_worker, 1, (bcfg, None, None, None, True),
+           backend=cfg.run.backend, timeout_s=cfg.run.timeout)
 
 
-def _report_failure(cfg, err: WorkerFailedError) -> None:
+def _report_failure(err: WorkerFailedError, where: str) -> None:
     import re
 
     # the line naming the root cause (a hang report may come before it)
@@ -161,15 +126,33 @@ def _report_failure(cfg, err: WorkerFailedError) -> None:
         print(f"gradsync train: error: {m.group(3)} (worker rank {m.group(1)})", file=sys.stderr)
     else:
         print(f"gradsync train: error: {err}", file=sys.stderr)
-    print(f"gradsync train: {_where(cfg, failed=True)}", file=sys.stderr)
+    print(f"gradsync train: {where}", file=sys.stderr)
 
 
 def run(args) -> int:
     with held():  # imports (gradsync.sigint): a Ctrl-C meanwhile is raised after them
+        from ..train.config.flags import from_args
+
+    argv = list(getattr(args, "argv", None) or sys.argv[1:])
+    cfg = from_args(args).resolved()  # every flag checked, once
+    if cfg.ft.launcher:  # one machine: a lighthouse and N groups
+        from .train_groups import run_groups
+
+        return run_groups(cfg, argv)
+    return train_job(cfg, argv)
+
+
+def train_job(cfg, argv: list[str], out: str | None = None) -> int:
+    """One job of workers on this machine: preflight, launch, the outcome in one line.
+
+    ``argv``: the command as given, which the hints repeat; ``out``: the run directory
+    that command names (a replica group's job runs in a directory of its own, below it).
+    """
+    with held():
         from torch.distributed.elastic.multiprocessing import SignalException
 
         from ..rundir import METRICS
-        from ..train.config.flags import from_args
+        from ..train.checkpoint.restarts import where_to_continue
         from ..train.launcher.api import launch_workers, usage_error_of
         from ..train.launcher.preflight import preflight
         from ..train.records.instrument import write_report_safely
@@ -177,44 +160,42 @@ def run(args) -> int:
         from ..train.task.schedule import finished_line
         from ..train.worker.faults import FaultInjector
 
-    global _command_line
-    argv = _command_line = list(getattr(args, "argv", None) or sys.argv[1:])
-    cfg = from_args(args)
-    if cfg.ft_groups and cfg.ft_group < 0:  # one machine: a lighthouse and N groups
-        from .train_groups import run_groups
+    out = out or cfg.run.out
 
-        return run_groups(cfg, argv[1:] if argv[:1] == ["train"] else argv)
+    def where(failed: bool = False) -> str:
+        return where_to_continue(cfg.run.out, cfg.run.trust_checkpoint_code,
+                                 continue_command(out, argv), failed)
+
     faults = FaultInjector.from_env()  # the edge: the loop only ever sees the object
-    plan, lock = preflight(cfg)
+    plan, lock = preflight(cfg, continue_with=lambda n: continue_command(out, argv, n))
     try:
-        _check_local_sync_world(cfg, plan)
         if lock.note():
             print(f"gradsync train: {lock.note()}")
         if plan.action == "finished":
             print(finished_line(cfg, plan.step, plan.schedule_steps))
-            repair_summary(cfg.out)
+            repair_summary(cfg.run.out)
             return 0
-        was = plan.was_world
+        was, workers, steps = plan.was_world, cfg.run.workers, cfg.run.steps
         how = (f"continuing from step {plan.step}, checkpointed by {was} "
                f"worker{'' if was == 1 else 's'}"
                if plan.action == "resume" else "new run")
-        print(f"gradsync train: {cfg.workers} worker{'' if cfg.workers == 1 else 's'}, "
-              f"{cfg.model} on {cfg.data}, {cfg.steps} step{'' if cfg.steps == 1 else 's'}, "
-              f"run directory {cfg.out} ({how})", flush=True)
+        print(f"gradsync train: {workers} worker{'' if workers == 1 else 's'}, "
+              f"{cfg.run.model} on {cfg.run.data}, {steps} step{'' if steps == 1 else 's'}, "
+              f"run directory {cfg.run.out} ({how})", flush=True)
         try:
-            if cfg.baseline:
-                _run_baseline(cfg)
+            if cfg.observe.baseline:
+                _run_baseline(cfg, plan.accumulation)
             launch_workers(cfg, faults=faults)
         except WorkerFailedError as e:
             usage = usage_error_of(e)
             if usage is not None:
                 raise usage from None
-            _report_failure(cfg, e)
-            if not cfg.no_report and os.path.exists(os.path.join(cfg.out, METRICS)):
-                write_report_safely(cfg.out)  # a failed run is when the report is most needed
+            _report_failure(e, where(failed=True))
+            if not cfg.observe.no_report and os.path.exists(os.path.join(cfg.run.out, METRICS)):
+                write_report_safely(cfg.run.out)  # a failed run is when the report is most needed
             return 1
         except (SignalException, KeyboardInterrupt):
-            print(f"\ngradsync train: interrupted; {_where(cfg)}", file=sys.stderr)
+            print(f"\ngradsync train: interrupted; {where()}", file=sys.stderr)
             return 130
         return 0
     finally:

@@ -1,7 +1,9 @@
 """`gradsync train --ft-groups N` on one machine: a lighthouse here and N replica groups.
 
-Each group is its own `gradsync train --ft-group i` (its own launcher, its own
-run directory ``OUT/group-i``), so a failure restarts only that group's workers
+Each group is its own ``gradsync train`` job (``cli/train_group.py``: its own launcher,
+its own run directory ``OUT/group-i``), handed the config this command resolved with
+its group's index, the lighthouse and its directory filled in -- the object itself,
+never a command line to parse again. So a failure restarts only that group's workers
 (``--max-restarts``, per group), which heal from a live peer at the next quorum;
 the other groups never restart. The lighthouse runs in this process and forms a
 quorum once a strict majority of the groups asks (no two quorums can train side
@@ -16,7 +18,9 @@ hands each group its own ``GRADSYNC_FAULT``, for trying failures.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -42,22 +46,20 @@ def group_faults(spec: str, groups: int) -> dict[int, str]:
     return {g: ",".join(f) for g, f in out.items()}
 
 
-def group_argv(argv: list[str], group: int, lighthouse: str, out: str) -> list[str]:
-    """The `gradsync train` arguments of group ``group``: ours, minus --out/--port, plus its
-    own group, lighthouse and run directory."""
-    keep, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in ("--out", "--port", "--ft-lighthouse"):
-            skip = True
-            continue
-        if a.split("=")[0] in ("--out", "--port", "--ft-lighthouse"):
-            continue
-        keep.append(a)
-    return [*keep, "--ft-group", str(group), "--ft-lighthouse", lighthouse,
-            "--out", group_dir(out, group)]
+def send_job(proc, cfg, argv: list[str], out: str) -> None:
+    """Hand ``proc`` (a ``python -m gradsync.cli.train_group`` just started) its job: the
+    group's config, the command as given and the run directory it names, pickled over
+    the pipe this launcher opened to its own child (``cli/train_group.py``)."""
+    proc.stdin.buffer.write(pickle.dumps((cfg, list(argv), out)))
+    proc.stdin.close()
+
+
+def group_config(cfg, group: int, lighthouse: str):
+    """Group ``group``'s config: the launcher's, resolved once, with its own group index,
+    lighthouse and run directory (``OUT/group-i``) and a free port of its own."""
+    return dataclasses.replace(
+        cfg, ft=dataclasses.replace(cfg.ft, group=group, lighthouse=lighthouse),
+        run=dataclasses.replace(cfg.run, out=group_dir(cfg.run.out, group), port=0))
 
 
 def _relay(proc: subprocess.Popen, name: str, lock: threading.Lock) -> None:
@@ -79,8 +81,8 @@ def _wait(procs: list, cfg) -> list[int]:
             for g, (p, _) in enumerate(procs):
                 if p.poll() is not None:
                     continue
-                if grace_left(cfg.out, g, cfg.steps, waited) <= 0:
-                    done = last_committed(cfg.out, g) >= cfg.steps
+                if grace_left(cfg.run.out, g, cfg.run.steps, waited) <= 0:
+                    done = last_committed(cfg.run.out, g) >= cfg.run.steps
                     print(f"gradsync train: stopping group {g}: another group finished every "
                           f"step {waited:.0f} s ago"
                           + ("" if done else " and this one is not in the last quorum"),
@@ -99,25 +101,25 @@ def run_groups(cfg, argv: list[str]) -> int:
     from ..ft.replica import default_min_groups
     from .train_groups_table import print_table
 
-    faults = group_faults(os.environ.get(FAULT_ENV, ""), cfg.ft_groups)
-    light = start_lighthouse(default_min_groups(cfg.ft_groups))
+    faults = group_faults(os.environ.get(FAULT_ENV, ""), cfg.ft.groups)
+    light = start_lighthouse(default_min_groups(cfg.ft.groups))
     print(f"gradsync train: lighthouse at {light.address} (quorum: at least "
-          f"{light.min_groups} of {cfg.ft_groups} groups); {cfg.ft_groups} replica groups of "
-          f"{cfg.workers} worker{'' if cfg.workers == 1 else 's'} in {cfg.out}/group-*",
+          f"{light.min_groups} of {cfg.ft.groups} groups); {cfg.ft.groups} replica groups of "
+          f"{cfg.run.workers} worker{'' if cfg.run.workers == 1 else 's'} in {cfg.run.out}/group-*",
           flush=True)
     procs, lock = [], threading.Lock()
     barrier = tempfile.mkdtemp(prefix="gradsync-ft-start-")
     try:
-        for g in range(cfg.ft_groups):
+        for g in range(cfg.ft.groups):
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             env.pop(FAULT_ENV, None)
             env["GRADSYNC_FT_BARRIER"] = barrier  # a fresh job's first quorum holds every group
             if g in faults:
                 env["GRADSYNC_FAULT"] = faults[g]
-            cmd = [sys.executable, "-m", "gradsync", "train",
-                   *group_argv(argv, g, light.address, cfg.out)]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, env=env)
+            proc = subprocess.Popen([sys.executable, "-m", "gradsync.cli.train_group"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, env=env)
+            send_job(proc, group_config(cfg, g, light.address), argv, cfg.run.out)
             relay = threading.Thread(target=_relay, args=(proc, f"group {g}", lock), daemon=True)
             relay.start()
             procs.append((proc, relay))
@@ -128,10 +130,10 @@ def run_groups(cfg, argv: list[str]) -> int:
         for proc, _ in procs:
             proc.wait()
         print(f"\ngradsync train: interrupted; the same command continues from each group's "
-              f"last checkpoint in {cfg.out}/group-*", file=sys.stderr)
+              f"last checkpoint in {cfg.run.out}/group-*", file=sys.stderr)
         return 130
     finally:
         light.shutdown()
         shutil.rmtree(barrier, ignore_errors=True)
-    print_table(cfg.out, codes)
+    print_table(cfg.run.out, codes)
     return 0 if 0 in codes else 1

@@ -61,15 +61,15 @@ def regroup(sess) -> LocalUpdateStrategy:
     state a resumed checkpoint loaded into them."""
     old, cfg = sess.strategy, sess.cfg
     module = old.model.module
-    cap = 25.0 if cfg.bucket_cap_mb == "auto" else float(cfg.bucket_cap_mb)
+    cap = 25.0 if cfg.sync.bucket_cap_mb == "auto" else float(cfg.sync.bucket_cap_mb)
     model = HostModel(module, None, cap)  # the group's world: exact inside the group
-    opt = (module, old.optimizer, outer_sgd(cfg.outer_lr, cfg.outer_momentum))
-    if cfg.sync == "streaming-diloco":  # no thread: its comm group is never used
-        outer = GroupStreamingDiLoCo(*opt, sync_every=cfg.sync_every, fragments=cfg.fragments,
-                                     delay=cfg.sync_delay, alpha=cfg.sync_alpha,
+    opt = (module, old.optimizer, outer_sgd(cfg.sync.outer_lr, cfg.sync.outer_momentum))
+    if cfg.sync.method == "streaming-diloco":  # no thread: its comm group is never used
+        outer = GroupStreamingDiLoCo(*opt, sync_every=cfg.sync.every, fragments=cfg.sync.fragments,
+                                     delay=cfg.sync.delay, alpha=cfg.sync.alpha,
                                      comm_group=old.diloco.comm_group)
     else:
-        outer = GroupDiLoCo(*opt, sync_every=cfg.sync_every)
+        outer = GroupDiLoCo(*opt, sync_every=cfg.sync.every)
     outer.load_state_dict(old.diloco.state_dict())  # a resumed run's global copy, items
     new = LocalUpdateStrategy(old.name, old.precision, model, old.optimizer, outer)
     new.collectives = getattr(old, "collectives", "native")
@@ -88,7 +88,7 @@ class LocalGroups:
         self.position = sess.start_step  # inner steps this group has completed
         self.joined = False
         self.current: StepQuorum | None = None
-        self.deal = (1, 0, [sess.cfg.ft_group])  # (quorum size, position, members)
+        self.deal = (1, 0, [sess.cfg.ft.group])  # (quorum size, position, members)
         self.healed = False
         self.why_not = ""
         self.last_members: list[int] | None = None
@@ -116,7 +116,7 @@ class LocalGroups:
     def after_step(self, step: int) -> None:
         """Step ``step`` is done; sum the outer sync over the quorum when it is due."""
         self.position = step
-        outer, last = self.sess.strategy.diloco, step == self.sess.cfg.steps
+        outer, last = self.sess.strategy.diloco, step == self.sess.cfg.run.steps
         if outer.due(step, last):
             if last:
                 outer.settle()
@@ -138,11 +138,11 @@ class LocalGroups:
             # what this sum holds, from the position after a heal: a group joins at its own
             # position c (key c, nothing due), a sync after step s has key s + 1; a group
             # healed into either takes the peer's position and key (torchft's max step)
-            last = self.position == sess.cfg.steps
+            last = self.position == sess.cfg.run.steps
             frags = outer.due(self.position, last,
                               joining=replica.manager.current_step() == self.position)
-            sums = outer.quorum_sum(replica.manager, sess.rank, sess.world, sess.cfg.ft_group,
-                                    sess.cfg.ft_groups, q.position, contribute, frags)
+            sums = outer.quorum_sum(replica.manager, sess.rank, sess.world, sess.cfg.ft.group,
+                                    sess.cfg.ft.groups, q.position, contribute, frags)
             if replica.commit():
                 break
             self.why_not = replica.why_not
@@ -193,13 +193,13 @@ def attach_local(sess, barrier: str | None) -> LocalGroups:
     cfg = sess.cfg
     sess.strategy = regroup(sess)
     holder: list[LocalGroups] = []
-    replica = ReplicaGroup(cfg.ft_group, cfg.ft_groups, lighthouse_address(cfg.ft_lighthouse),
+    replica = ReplicaGroup(cfg.ft.group, cfg.ft.groups, lighthouse_address(cfg.ft.lighthouse),
                            sess.rank, sess.world, lambda: holder[0].state(),
                            lambda s: holder[0].load(s), sess.start_step,
-                           timeout_s=cfg.ft_timeout, quorum_timeout_s=cfg.timeout)
+                           timeout_s=cfg.ft.timeout, quorum_timeout_s=cfg.run.timeout)
     holder.append(LocalGroups(sess, replica))
     if barrier and sess.start_step == 0 and not gdist.restart_count():
-        replica.wait_for_all(barrier, cfg.timeout)  # a fresh job: every group in the first quorum
+        replica.wait_for_all(barrier, cfg.run.timeout)  # a fresh job: all in the first quorum
     return holder[0]
 
 
@@ -209,5 +209,5 @@ def share(sess, block: list[int]) -> tuple[list[int], list[list[int]]]:
     q = sess.ft.current
     group = deal(block, even_counts(len(block), q.size))[q.position]
     mine = deal(group, even_counts(len(group), sess.world))[sess.rank]
-    return mine, micro_split(mine, len(block), q.size * sess.world, sess.cfg.micro_batch)
+    return mine, micro_split(mine, len(block), q.size * sess.world, sess.cfg.batch.micro_batch)
 

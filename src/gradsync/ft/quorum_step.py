@@ -32,7 +32,7 @@ def attach(sess) -> ReplicaGroup:
     """Join the replica groups: the lighthouse's quorum decides every step from now on
     (with ``--sync diloco``: every sync, ``local_groups.py``)."""
     cfg = sess.cfg
-    if cfg.sync != "exact":
+    if cfg.sync.method != "exact":
         from .local_groups import attach_local
 
         return attach_local(sess, os.environ.get(BARRIER_ENV))
@@ -48,12 +48,12 @@ def attach(sess) -> ReplicaGroup:
         sess.sampler.load_state_dict(state["sampler"])
         sess.skipped[:] = state["skipped"]
 
-    group = ReplicaGroup(cfg.ft_group, cfg.ft_groups, lighthouse_address(cfg.ft_lighthouse),
+    group = ReplicaGroup(cfg.ft.group, cfg.ft.groups, lighthouse_address(cfg.ft.lighthouse),
                          sess.rank, sess.world, state_fn, load_fn, sess.start_step,
-                         timeout_s=cfg.ft_timeout, quorum_timeout_s=cfg.timeout)
+                         timeout_s=cfg.ft.timeout, quorum_timeout_s=cfg.run.timeout)
     barrier = os.environ.get(BARRIER_ENV)
     if barrier and sess.start_step == 0 and not gdist.restart_count():
-        group.wait_for_all(barrier, cfg.timeout)  # a fresh job: every group in the first quorum
+        group.wait_for_all(barrier, cfg.run.timeout)  # a fresh job: every group in the first quorum
     return group
 
 
@@ -65,7 +65,7 @@ def share(sess, block: list[int]) -> tuple[list[int], list[list[int]]]:
         return local_share(sess, block)
     q = sess.ft.current
     mine = quorum_share(block, q.size, q.position, sess.world, sess.rank)
-    return mine, micro_split(mine, len(block), q.size * sess.world, sess.cfg.micro_batch)
+    return mine, micro_split(mine, len(block), q.size * sess.world, sess.cfg.batch.micro_batch)
 
 
 def reduce(sess, items: float, loss_sum: float) -> QuorumSums:
@@ -74,7 +74,7 @@ def reduce(sess, items: float, loss_sum: float) -> QuorumSums:
     if getattr(sess.ft, "local", False):
         return None
     sums = cross_reduce(sess.ft.manager, sess.strategy, items, loss_sum, sess.rank,
-                        sess.world, sess.cfg.ft_group, sess.cfg.ft_groups)
+                        sess.world, sess.cfg.ft.group, sess.cfg.ft.groups)
     sess.ft.current.members = list(sums.members)
     sess.ft.current.sent_bytes = sums.sent_bytes
     return sums
@@ -116,7 +116,7 @@ def ft_figures(sess, rows: list[dict]) -> dict:
     sizes: dict[str, int] = {}
     for r in steps:
         sizes[str(len(r["quorum"]))] = sizes.get(str(len(r["quorum"])), 0) + 1
-    return {"group": sess.cfg.ft_group, "groups": sess.cfg.ft_groups,
+    return {"group": sess.cfg.ft.group, "groups": sess.cfg.ft.groups,
             "redone_steps": sum(1 for r in steps if (r.get("attempts") or 1) > 1),
             "failed_attempts": sum((r.get("attempts") or 1) - 1 for r in steps),
             "heals": sum(1 for r in steps if r.get("healed")),

@@ -20,24 +20,12 @@ import traceback
 from .. import dist as gdist
 from ..errors import GradsyncError, UsageError
 from ..heap import keep_freed_memory
+from .checkpoint.restarts import where_to_continue
 from .config.flags import add_arguments, from_args
 from .worker.faults import FaultInjector
 from .worker.loop import run_worker
 
-
-def _continue_hint(out: str, trust_code: bool = False) -> str:
-    from ..rundir import CHECKPOINT
-    from ..safeload import trusting
-    from .checkpoint.unit import read_unit
-
-    try:
-        with trusting(trust_code):  # data only, unless the user opted in
-            header = read_unit(os.path.join(out, CHECKPOINT))  # verified, never "step None"
-    except UsageError as e:
-        return f"gradsync.train: no usable checkpoint to continue from: {e}"
-    where = f"from step {header['step']}" if header else "from the start (no checkpoint yet)"
-    return (f"gradsync.train: run the same torchrun command again to continue {where}: "
-            "resuming is automatic")
+TORCHRUN_AGAIN = "the same torchrun command (resuming is automatic)"
 
 
 def _restarts_left() -> int:
@@ -72,8 +60,9 @@ def main(argv=None, callbacks=None) -> int:
     rank = os.environ.get("RANK", "?")
     cfg = None
     try:
-        cfg = from_args(args)
-        if cfg.baseline:
+        # every flag checked once, for the world torchrun set up (its WORLD_SIZE)
+        cfg = from_args(args, workers=int(os.environ.get("WORLD_SIZE", "1"))).resolved()
+        if cfg.observe.baseline:
             raise UsageError("--baseline launches its own 1-worker run: use `gradsync train "
                              "--baseline`, or run the baseline with torchrun separately")
         faults = FaultInjector.from_env()  # the edge: the loop only ever sees the object
@@ -81,9 +70,8 @@ def main(argv=None, callbacks=None) -> int:
 
         torch.set_num_threads(int(os.environ.get("GRADSYNC_THREADS", "1")))
         keep_freed_memory()
-        gdist.init(cfg.backend, cfg.timeout)
-        cfg.workers = gdist.world_size()
-        run_worker(cfg.to_dict(), faults=faults, callbacks=callbacks)
+        gdist.init(cfg.run.backend, cfg.run.timeout)
+        run_worker(cfg, faults=faults, callbacks=callbacks)
     except UsageError as e:
         print(f"gradsync.train (rank {rank}): error: {e}", file=sys.stderr)
         return 2
@@ -100,7 +88,9 @@ def main(argv=None, callbacks=None) -> int:
         else:
             traceback.print_exc()
         if rank == "0" and cfg is not None and not (echo and _restarts_left() > 0):
-            print(_continue_hint(cfg.out, cfg.trust_checkpoint_code), file=sys.stderr)
+            hint = where_to_continue(cfg.run.out, cfg.run.trust_checkpoint_code, TORCHRUN_AGAIN,
+                                     failed=True)
+            print(f"gradsync.train: {hint}", file=sys.stderr)
         return 1
     finally:
         gdist.shutdown()

@@ -33,7 +33,7 @@ import functools
 
 from ...errors import UsageError
 from ..task.builtins import OPTIMIZERS
-from ..task.schedule import past_plan_note
+from ..task.schedule import past_plan_note, planned_steps
 
 IDENTITY = ("lr", "warmup", "schedule", "schedule_steps", "optimizer", "weight_decay", "betas",
             "scheduler", "clip")
@@ -130,12 +130,12 @@ def planned_of(saved: dict, header: dict) -> int:
 
 
 def check(cfg, saved: dict, header: dict) -> tuple[int, tuple[str, ...]]:
-    """Compare ``cfg`` with the checkpoint's ``saved`` config; return (the schedule length
-    this run keeps, notes on what continuing does). Raises UsageError on a difference
-    ``--override`` does not name."""
-    out, step = cfg.out, int(header["step"])
-    allowed = parse_overrides(cfg.override)
-    now = {**cfg.to_dict(), "optimizer": cfg.optimizer_name}
+    """Compare ``cfg`` (a resolved ``RunConfig``) with the checkpoint's ``saved`` config;
+    return (the schedule length this run keeps, notes on what continuing does). Raises
+    UsageError on a difference ``--override`` does not name."""
+    out, step = cfg.run.out, int(header["step"])
+    allowed = cfg.run.overrides  # parsed when the config was resolved
+    now = {**cfg.to_dict(), "optimizer": cfg.optim.optimizer_name}
     was_planned = planned_of(saved, header)
     planned = was_planned
     notes, changed = [], set()
@@ -144,10 +144,10 @@ def check(cfg, saved: dict, header: dict) -> tuple[int, tuple[str, ...]]:
         new = _value(now, name)
         if name == "schedule_steps":
             if name in allowed:  # re-planned: over --schedule-steps, else the new --steps
-                new = planned = cfg.schedule_steps or cfg.steps
+                new = planned = planned_steps(cfg)
             elif not new:  # not given: the run's plan holds
                 continue
-        if was is _MISSING or _same(name, was, new, cfg.optimizer_name):
+        if was is _MISSING or _same(name, was, new, cfg.optim.optimizer_name):
             continue
         if name in ("weight_decay", "betas") and "optimizer" in changed:
             continue  # the new optimizer's options: part of the optimizer change noted

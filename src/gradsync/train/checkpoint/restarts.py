@@ -65,7 +65,7 @@ def note_restart(sess, reached: int | None) -> dict | None:
     checkpoint (the failed attempt died during the step after it).
     """
     attempt = gdist.restart_count()
-    path = os.path.join(sess.cfg.out, PENDING)
+    path = os.path.join(sess.cfg.run.out, PENDING)
     pending = read_json(path)
     pending = pending if isinstance(pending, dict) else {}
     if attempt < 1:
@@ -74,7 +74,7 @@ def note_restart(sess, reached: int | None) -> dict | None:
         return None
     last = (pending.get("attempts") or [{}])[-1]
     event = {"event": "restart", "step": sess.start_step, "attempt": attempt,
-             "max_restarts": pending.get("max_restarts") or sess.cfg.max_restarts or None,
+             "max_restarts": pending.get("max_restarts") or sess.cfg.run.max_restarts or None,
              "failed": last.get("failures") or [], "reached_step": reached,
              "world_size": sess.world, "unix_time": time.time()}
     event = {k: v for k, v in event.items() if v is not None}
@@ -83,3 +83,29 @@ def note_restart(sess, reached: int | None) -> dict | None:
     with contextlib.suppress(OSError):
         os.remove(path)
     return event
+
+
+def where_to_continue(out: str, trust_code: bool, command: str, failed: bool = False) -> str:
+    """Where a stopped run stands, in one line: the last complete checkpoint and the
+    ``command`` that continues from it (resuming is automatic), or why there is none.
+
+    After a failure (``failed``) the command continues once its cause is fixed: rerunning
+    a model error repeats it. The checkpoint is verified and read as data only (unless
+    ``trust_code``): a damaged one is never offered as a step to continue from.
+    """
+    from ...errors import UsageError
+    from ...rundir import CHECKPOINT
+    from ...safeload import trusting
+    from .unit import read_unit
+
+    ckpt = os.path.join(out, CHECKPOINT)
+    try:
+        with trusting(trust_code):  # data only, unless the user opted in
+            header = read_unit(ckpt)
+    except UsageError as e:
+        return f"no usable checkpoint to continue from: {e}"
+    fixed = "once the cause is fixed, " if failed else ""
+    if header is None:
+        return f"no checkpoint had been written yet; {fixed}the same command starts again"
+    return (f"the last complete checkpoint ({ckpt}, step {header['step']}) is intact; "
+            f"{fixed}continue from step {header['step']} with: {command}")

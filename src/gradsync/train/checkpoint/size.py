@@ -42,7 +42,7 @@ from ...engine.local.fragments import split_parameters
 from ...factory import is_factory_spec, load_factory
 from ...models import build_model
 from ...rundir import CHECKPOINT, SHARDS
-from ..config.train_config import TrainConfig
+from ..config.resolve import RunConfig
 
 PER_TENSOR = 330
 """Bytes a tensor costs in a torch.save zip beyond its data: its zip entry (local and
@@ -67,11 +67,11 @@ class SaveSize:
         return self.checkpoint + self.shards
 
 
-def _model(cfg: TrainConfig, model_fn: Callable | None):
-    fn = model_fn or (load_factory(cfg.model) if is_factory_spec(cfg.model) else None)
+def _model(cfg: RunConfig, model_fn: Callable | None):
+    fn = model_fn or (load_factory(cfg.run.model) if is_factory_spec(cfg.run.model) else None)
     if fn is None:  # built-in: small, and building for real skips meta's first-use cost (1 s)
-        return build_model("gpt", seq_len=cfg.seq_len) if cfg.model == "gpt" \
-            else build_model(cfg.model)
+        return build_model("gpt", seq_len=cfg.run.seq_len) if cfg.run.model == "gpt" \
+            else build_model(cfg.run.model)
     with torch.device("meta"):
         return fn()
 
@@ -115,17 +115,17 @@ def _residuals(params, compress: str, world: int, rsize) -> tuple[int, int]:
     return 0, 0  # bf16/fp16: no error feedback by default
 
 
-def _in_flight(cfg: TrainConfig, model) -> int:
+def _in_flight(cfg: RunConfig, model) -> int:
     """Streaming DiLoCo: the largest fragments whose reduction a save can find in flight."""
-    if cfg.sync != "streaming-diloco" or cfg.sync_delay == 0:
+    if cfg.sync.method != "streaming-diloco" or cfg.sync.delay == 0:
         return 0
     sizes = sorted((sum(p.numel() * _wide(p) for _, p in frag)
-                    for frag in split_parameters(model, cfg.fragments)), reverse=True)
-    gap = max(1, cfg.sync_every // cfg.fragments)  # steps between two fragments' sends
-    return sum(sizes[:min(cfg.fragments, math.ceil(cfg.sync_delay / gap))])
+                    for frag in split_parameters(model, cfg.sync.fragments)), reverse=True)
+    gap = max(1, cfg.sync.every // cfg.sync.fragments)  # steps between two fragments' sends
+    return sum(sizes[:min(cfg.sync.fragments, math.ceil(cfg.sync.delay / gap))])
 
 
-def estimate_save(cfg: TrainConfig, model_fn: Callable | None = None,
+def estimate_save(cfg: RunConfig, model_fn: Callable | None = None,
                   world: int | None = None) -> SaveSize | None:
     """What a save of this run writes (None: the model cannot be built to count it)."""
     try:
@@ -134,38 +134,39 @@ def estimate_save(cfg: TrainConfig, model_fn: Callable | None = None,
         buffers = list(model.buffers())
     except Exception:  # noqa: BLE001 - an estimate we cannot make is not an error
         return None
-    world = world or cfg.workers
+    world = world or cfg.run.workers
     trainable = [p for p in params if p.requires_grad]
-    bf16 = cfg.precision != "fp32"
-    stored = _bf16 if bf16 and cfg.strategy != "zero3" else None
+    bf16 = cfg.sync.precision != "fp32"
+    stored = _bf16 if bf16 and cfg.sync.strategy != "zero3" else None
     master = _fp32 if bf16 else None  # optimizer state lives on the fp32 masters
     nbytes = _nbytes(params, stored) + _nbytes(buffers)
     count = len(params) + len(buffers) + 1  # + the RNG state
     shards = shard_tensors = 0
-    if cfg.strategy in ("zero1", "zero2", "zero3"):
-        state, _ = _optimizer_state(trainable, master, cfg.optimizer_name)
-        scalar = 8 * sum(p.numel() for p in trainable) if cfg.optimizer_name == "adamw" else 0
+    optimizer = cfg.optim.optimizer_name
+    if cfg.sync.strategy in ("zero1", "zero2", "zero3"):
+        state, _ = _optimizer_state(trainable, master, optimizer)
+        scalar = 8 * sum(p.numel() for p in trainable) if optimizer == "adamw" else 0
         present = 8 * sum(p.numel() for p in trainable)
         shards = _nbytes(trainable, master) + present + state - 4 * len(trainable) + scalar
         shards += _nbytes(buffers)
-        cap = 25.0 if cfg.bucket_cap_mb == "auto" else float(cfg.bucket_cap_mb)
+        cap = 25.0 if cfg.sync.bucket_cap_mb == "auto" else float(cfg.sync.bucket_cap_mb)
         buckets = max(1, math.ceil(_nbytes(trainable) / (cap * 2**20)))
-        keys = 4 if cfg.optimizer_name == "adamw" else 2  # master, present + the state's
+        keys = 4 if optimizer == "adamw" else 2  # master, present + the state's
         shard_tensors = (1 + keys) * world * buckets + len(buffers)
-    elif cfg.sync != "exact":
-        inner = _optimizer_state(trainable, None, cfg.optimizer_name)
+    elif cfg.sync.method != "exact":
+        inner = _optimizer_state(trainable, None, optimizer)
         anchors = _nbytes(trainable, _wide)
-        outer = anchors if cfg.outer_momentum > 0 else 0
-        res = _residuals(trainable, cfg.compress, world, _wide)
+        outer = anchors if cfg.sync.outer_momentum > 0 else 0
+        res = _residuals(trainable, cfg.sync.compress, world, _wide)
         per_rank = (_nbytes(params) + _nbytes(buffers) + anchors + outer + inner[0] + res[0]
                     + _in_flight(cfg, model))
         nbytes += world * per_rank
         count += world * (len(params) + len(buffers) + 2 * len(trainable) + inner[1] + res[1])
     else:
-        state = _optimizer_state(trainable, master, cfg.optimizer_name)
+        state = _optimizer_state(trainable, master, optimizer)
         nbytes += state[0] + (_nbytes(trainable, master) if bf16 else 0)
         count += state[1] + (len(trainable) if bf16 else 0)
-        res = _residuals(trainable, cfg.compress, world, master or _own)
+        res = _residuals(trainable, cfg.sync.compress, world, master or _own)
         nbytes, count = nbytes + world * res[0], count + world * res[1]
     fixed = FIXED + len(pickle.dumps(cfg.to_dict()))
     checkpoint = fixed + nbytes + PER_TENSOR * count
@@ -176,7 +177,7 @@ def estimate_save(cfg: TrainConfig, model_fn: Callable | None = None,
     return SaveSize(int(checkpoint), int(shards))
 
 
-def estimate_checkpoint_bytes(cfg: TrainConfig, model_fn: Callable | None = None) -> int | None:
+def estimate_checkpoint_bytes(cfg: RunConfig, model_fn: Callable | None = None) -> int | None:
     """About how many bytes one checkpoint of this run takes on disk (None: unknown)."""
     size = estimate_save(cfg, model_fn)
     return None if size is None else size.total
@@ -195,10 +196,10 @@ def on_disk(out: str) -> int:
     return total
 
 
-def space_needed(cfg: TrainConfig, model_fn: Callable | None = None) -> int | None:
+def space_needed(cfg: RunConfig, model_fn: Callable | None = None) -> int | None:
     """Free bytes the run directory needs: at the peak of a save the previous checkpoint
     and the new one are both on disk, less what the current one already occupies."""
     size = estimate_checkpoint_bytes(cfg, model_fn)
     if size is None:
         return None
-    return max(size, 2 * size - on_disk(cfg.out))
+    return max(size, 2 * size - on_disk(cfg.run.out))

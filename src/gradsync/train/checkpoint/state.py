@@ -43,6 +43,7 @@ from ...engine.sharded.checkpoint import load_sharded, save_sharded
 from ...engine.transport import comm
 from ...errors import UsageError
 from ...rundir import SHARDS
+from ..task.schedule import planned_steps
 from .format import FORMAT, VERSION, atomic_save, load_checkpoint, storage_error
 from .identity import check as check_identity
 from .identity import optimizer_of
@@ -68,24 +69,26 @@ class ResumePlan:
 
 
 def decide(cfg, header: dict | None) -> ResumePlan:
-    """Fresh, resume or already finished, from ``--resume`` and the checkpoint's header.
+    """Fresh, resume or already finished, from ``--resume`` and the checkpoint's header
+    (``cfg``: a resolved ``RunConfig``; ``config/plan.py``'s ``plan_run`` calls this).
 
     Raises UsageError (one line) when ``--resume must`` finds nothing, ``--resume
     never`` finds a checkpoint, or the checkpoint is of a different run.
     """
-    out = cfg.out
+    out = cfg.run.out
     if header is None:
-        if cfg.resume == "must":
+        if cfg.run.resume == "must":
             raise UsageError(f"--resume: no checkpoint in {out} to continue; leave out "
                              "--resume to start a new run there")
         return ResumePlan("fresh", run_id=new_run_id(),
-                          schedule_steps=cfg.schedule_steps or cfg.steps)
+                          schedule_steps=planned_steps(cfg))
     step, saved = int(header["step"]), header.get("config") or {}
-    if cfg.resume == "never":
+    if cfg.run.resume == "never":
         raise UsageError(f"{out} already holds a checkpoint (step {step}); continue it by "
                          "leaving out --resume never, or choose another --out")
+    flags = cfg.to_dict()
     for key in MUST_MATCH:
-        was, now = saved.get(key, _OLD_DEFAULTS.get(key)), getattr(cfg, key)
+        was, now = saved.get(key, _OLD_DEFAULTS.get(key)), flags[key]
         if was != now:
             raise UsageError(f"{out} holds a checkpoint of a different run: --"
                              f"{key.replace('_', '-')} was {was!r}, now {now!r}; continue it "
@@ -93,7 +96,7 @@ def decide(cfg, header: dict | None) -> ResumePlan:
     planned, notes = check_identity(cfg, saved, header)  # lr, schedule, optimizer, ...
     sizes = tuple(header.get("world_sizes") or (header.get("world_size"),))
     run_id = header.get("run_id") or new_run_id()  # format 2 had none: one from now on
-    action = "finished" if step >= cfg.steps else "resume"
+    action = "finished" if step >= cfg.run.steps else "resume"
     return ResumePlan(action, step, header.get("world_size"), sizes, run_id, planned,
                       notes if action == "resume" else ())
 
@@ -126,10 +129,11 @@ def save(sess, step: int) -> None:
     cfg, strategy, rank = sess.cfg, sess.strategy, sess.rank
     shard_dir = None
     target = strategy.checkpoint_target
-    ident = identity(sess.plan.run_id, step, run_digest(cfg.to_dict()))
+    record = cfg.record(sess.plan.schedule_steps)  # the flags, auto resolved, the run's plan
+    ident = identity(sess.plan.run_id, step, run_digest(record))
     if target is not None:
         shard_dir = os.path.join(SHARDS, f"step-{step:07d}")
-        path = os.path.join(cfg.out, shard_dir)
+        path = os.path.join(cfg.run.out, shard_dir)
         try:
             save_sharded(path, *target, identity=ident)
         except OSError as e:
@@ -142,20 +146,20 @@ def save(sess, step: int) -> None:
     if rank != 0:
         sess.faults.at_save(rank, step)
         return
-    shards = shard_record(cfg.out, shard_dir) if shard_dir else None
-    atomic_save({"format": FORMAT, "version": VERSION, "step": step, "steps": cfg.steps,
+    shards = shard_record(cfg.run.out, shard_dir) if shard_dir else None
+    atomic_save({"format": FORMAT, "version": VERSION, "step": step, "steps": cfg.run.steps,
                  "model": module_state, "optimizer": strategy.optimizer_state_dict(),
                  "optimizer_shards": shard_dir, "scheduler": sess.sched.state_dict(),
                  "sampler": sess.sampler.state_dict(), "balance": sess.balancer.state_dict(),
                  "world_size": sess.world,
                  "world_sizes": list(sess.world_sizes),
-                 "config": {**cfg.to_dict(), "optimizer": cfg.optimizer_name},  # auto resolved
+                 "config": record,
                  "strategy_extra": strategy.extra_state(), "loss": sess.last_loss,
                  "rng": rngs[0]["cpu"], "device_rng": rngs[0]["device"],
                  "rng_by_rank": rngs, "unit": {**ident, "shards": shards}},
                 sess.ckpt_path, before_replace=lambda: sess.faults.at_save(0, step))
     if shard_dir:  # the previous steps' shards are no longer referenced
-        root = os.path.join(cfg.out, SHARDS)
+        root = os.path.join(cfg.run.out, SHARDS)
         for name in os.listdir(root):
             if name != os.path.basename(shard_dir):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -176,7 +180,7 @@ def load(sess) -> int:
                              "is not sharded")
         unit = state.get("unit")  # format 3: the shards must be this unit's own
         expect = identity(unit["run_id"], unit["step"], unit["config_digest"]) if unit else None
-        load_sharded(os.path.join(cfg.out, state["optimizer_shards"]), *target, expect=expect)
+        load_sharded(os.path.join(cfg.run.out, state["optimizer_shards"]), *target, expect=expect)
     else:
         strategy.load_full_state_dict(state["model"])
         try:
@@ -194,13 +198,13 @@ def load(sess) -> int:
     if state.get("sampler") is not None:
         was, now = state["sampler"].get("dataset_len"), sess.sampler.dataset_len
         if was != now:
-            raise UsageError(f"{cfg.out} holds a checkpoint of a run on {was} training "
-                             f"samples; --data {cfg.data} now gives {now}: continue it on the "
+            raise UsageError(f"{cfg.run.out} holds a checkpoint of a run on {was} training "
+                             f"samples; --data {cfg.run.data} now gives {now}: continue it on the "
                              "same data, or choose another --out")
         sess.sampler.load_state_dict(state["sampler"])
     else:  # an older checkpoint: every worker's DistributedSampler position
         sess.sampler.load_state_dict(StepSampler.from_rank_states(state["samplers"],
-                                                                  cfg.global_batch))
+                                                                  cfg.batch.global_batch))
     by_rank = state.get("rng_by_rank")
     if by_rank and len(by_rank) == sess.world:  # the same workers: each its own generators
         torch.set_rng_state(by_rank[sess.rank]["cpu"])

@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
                                 help=argparse.SUPPRESS)
 
 
-def from_args(args: argparse.Namespace) -> TrainConfig:
+def from_args(args: argparse.Namespace, **given) -> TrainConfig:
+    """The parsed flags as a TrainConfig (checked when made); ``given``: fields the parser
+    did not take (torchrun's ``workers``)."""
     values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
-    return TrainConfig(**values)
+    return TrainConfig(**{**values, **given})

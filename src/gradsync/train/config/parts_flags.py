@@ -4,9 +4,11 @@ Checked before anything starts, each refusal one line naming the numbers or the 
 
 * ``P`` must divide ``--global-batch`` (every part gives ``B/P`` samples a step) and the
   number of workers ``K`` (every block of ``K/P`` workers reads one part). ``K`` is known
-  to ``gradsync train`` before it launches (``--workers``) and to every worker under
-  torchrun, so the check runs in both places; a run resumed on another ``K`` is held to
-  it too (the per-part positions are global, so any multiple of ``P`` continues exactly).
+  to ``gradsync train`` before it launches (``--workers``) and to rank 0 of a worker
+  group under torchrun: ``config/plan.py`` checks it where the world is known, through
+  the sampler's own check (``data/parted_sampler.check_parts``); a run resumed on another
+  ``K`` is held to it too (the per-part positions are global, so any multiple of ``P``
+  continues exactly).
 * ``--balance auto`` is refused: it moves samples from a slow worker to a fast one, and
   with parts a worker's samples must come from its own part; balancing inside a block
   would be possible but is not built.
@@ -20,12 +22,11 @@ Checked before anything starts, each refusal one line naming the numbers or the 
 
 from __future__ import annotations
 
-from ...data.parted_sampler import check_parts
 from ...errors import UsageError
 
 
 def check_data_parts(cfg) -> None:
-    """The checks that need no number of workers (``TrainConfig.__post_init__``)."""
+    """The checks that need no number of workers (``resolve.resolve``)."""
     parts = cfg.data_parts
     if not isinstance(parts, int) or parts < 1:
         raise UsageError(f"--data-parts must be an integer >= 1, got {parts!r}")
@@ -43,9 +44,3 @@ def check_data_parts(cfg) -> None:
              "on its own workers")):
         if bad:
             raise UsageError(f"{flag} does not combine with --data-parts {parts}: {why}")
-
-
-def check_data_parts_world(cfg, world: int) -> None:
-    """``P`` divides the number of workers this run (or this continuation) has."""
-    if cfg.data_parts != 1:
-        check_parts(cfg.data_parts, world, cfg.global_batch)

@@ -1,4 +1,4 @@
-"""TrainConfig: every option of `gradsync train`, one flag per field.
+"""TrainConfig: every option of `gradsync train`, one flag per field -- the flag table.
 
 The same parser serves ``gradsync train`` (which launches the workers) and
 ``torchrun -m gradsync.train`` (where torchrun already did), so the two can never
@@ -7,65 +7,36 @@ disagree about what a flag means. Choice lists come from the registries
 error for an unknown name always list the same things. The strategy registry is
 read when a parser is built and when a config is checked, never copied at import,
 so a strategy registered after this module was imported is accepted.
+
+A ``TrainConfig`` is what a user writes (``gs.TrainConfig(steps=100)``, or the flags).
+It is checked when it is made, by :func:`~gradsync.train.config.resolve.resolve` --
+the one place every refusal lives -- and shows the defaults that resolving filled in
+(``clip``, ``data``, ``out``, ...). The run itself never reads a ``TrainConfig``: it
+reads the frozen :class:`~gradsync.train.config.resolve.RunConfig` that ``resolve``
+returns, which also holds what follows from the flags (the optimizer ``auto`` stands
+for, whether steps are balanced, the traced window, the parsed stragglers, ...).
 """
 
 from __future__ import annotations
 
-import argparse
-import time
 from dataclasses import asdict, dataclass, field
 
 from ...dist import BACKENDS
 from ...engine.strategy.options import COLLECTIVES, SYNC_METHODS, SyncOptions
-from ...engine.strategy.registry import FIXED_BUCKETS, PRECISIONS, STRATEGIES
-from ...errors import UsageError
-from ...factory import is_factory_spec
-from ...ft.flags import check_ft
-from ...models import MODELS
-from ..checkpoint.identity import parse_overrides
-from ..records.trackers import check_log
-from ..step.straggler import parse_stragglers
-from ..task.builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
-from .mode_flags import check_mode_flags
-from .parts_flags import check_data_parts
-from .splits import continue_on
-from .trace_flags import traced_steps
-
-OPTIMIZER_CHOICES = ("auto", *OPTIMIZERS)
-RESUME_CHOICES = ("auto", "must", "never")
-SCHEDULES = ("cosine", "constant")
-NONFINITE_CHOICES = ("stop", "skip-step")
-BALANCE_CHOICES = ("off", "auto")
-CLIP_RECIPE = {"gpt": 1.0}
-"""--clip when not given, per built-in model: the built-in GPT's recipe clips at 1.0
-(without it the Quickstart's 300 steps ended at a held-out loss of 2.15, with it
-1.74: one seed each); every other model gets torch DDP's behaviour, no clipping."""
-
-
-def _model_arg(value: str) -> str:
-    if value in MODELS or is_factory_spec(value):
-        return value
-    raise argparse.ArgumentTypeError(
-        f"unknown model {value!r}: choose from {', '.join(MODELS)}, or pass pkg.module:factory")
-
-
-def _data_arg(value: str) -> str:
-    if value in DATASETS or is_factory_spec(value) or value == "":
-        return value
-    raise argparse.ArgumentTypeError(
-        f"unknown data {value!r}: choose from {', '.join(DATASETS)}, or pass pkg.module:factory")
-
-
-def _optimizer_arg(value: str) -> str:
-    if value in OPTIMIZER_CHOICES or is_factory_spec(value):
-        return value
-    raise argparse.ArgumentTypeError(
-        f"unknown optimizer {value!r}: choose from {', '.join(OPTIMIZER_CHOICES)}, or pass "
-        "pkg.module:factory (a function of the parameter groups returning an optimizer)")
-
-
-def _cap_arg(value: str):
-    return value if value == "auto" else float(value)
+from ...engine.strategy.registry import PRECISIONS, STRATEGIES
+from .resolve import (
+    BALANCE_CHOICES,
+    CLIP_RECIPE,  # noqa: F401 - the field's help names it; re-exported for readers
+    NONFINITE_CHOICES,
+    RESUME_CHOICES,
+    SCHEDULES,
+    RunConfig,
+    bucket_cap,
+    check_data,
+    check_model,
+    check_optimizer,
+    resolve,
+)
 
 
 @dataclass
@@ -78,19 +49,19 @@ class TrainConfig:
     warmup: int = field(default=20, metadata={"help": "warm-up steps"})
     schedule: str = field(default="cosine", metadata={"help": "after warm-up: cosine decay to 10%% of --lr at the last step, or constant --lr to the end", "choices": SCHEDULES})
     schedule_steps: int = field(default=0, metadata={"help": "steps the learning-rate schedule is planned over (0: --steps at the run's first launch); recorded in the checkpoint and kept when the run is continued, also past it: the steps beyond train at the schedule's final rate"})
-    optimizer: str = field(default="auto", metadata={"help": "adamw, sgd (momentum 0.9), auto (adamw for gpt and your own models, sgd for mlp), or your own: pkg.module:factory, called with the parameter groups and --lr", "type": _optimizer_arg})
+    optimizer: str = field(default="auto", metadata={"help": "adamw, sgd (momentum 0.9), auto (adamw for gpt and your own models, sgd for mlp), or your own: pkg.module:factory, called with the parameter groups and --lr", "type": check_optimizer})
     weight_decay: float | None = field(default=None, metadata={"help": "weight decay of the weight matrices and embeddings (never of biases or norm parameters, which get 0); default: the optimizer's own (adamw 0.1, sgd 0, your factory's)", "type": float})
     betas: str = field(default="", metadata={"help": "B1,B2 of adamw or of your own Adam-like factory (default: adamw's 0.9,0.95, or your factory's)"})
     scheduler: str = field(default="", metadata={"help": "your own learning-rate schedule, pkg.module:factory, called with the optimizer and the planned steps (--schedule-steps, default --steps), returning a torch LR scheduler stepped once per optimizer step (replaces --warmup/--schedule)"})
-    bucket_cap_mb: float | str = field(default=25.0, metadata={"help": "gradient bucket cap in MiB (DDP's default is 25), or 'auto' to measure candidates during the first steps and keep the fastest", "type": _cap_arg})
+    bucket_cap_mb: float | str = field(default=25.0, metadata={"help": "gradient bucket cap in MiB (DDP's default is 25), or 'auto' to measure candidates during the first steps and keep the fastest", "type": bucket_cap})
     seed: int = field(default=0, metadata={"help": "seed for model initialisation and data order"})
     out: str = field(default="", metadata={"help": "run directory for metrics.jsonl, checkpoint.pt and summary.json (default runs/<date-time>)"})
     resume: str = field(default="auto", metadata={"help": "auto: continue the checkpoint in --out if it is of this configuration, start fresh if there is none; must (--resume alone): fail without one; never: fail if one exists", "choices": RESUME_CHOICES})
     overwrite: bool = field(default=False, metadata={"help": "write into --out although it holds files gradsync did not write (another tool's config.json, metrics.jsonl, ...): gradsync's files replace any of the same name, the others are left alone. Without it such a directory is refused; a new or empty one, or a gradsync run directory, needs no flag"})
     trust_checkpoint_code: bool = field(default=False, metadata={"help": "load --out's checkpoint with full pickle, which can run code the file names: only for a checkpoint you wrote yourself whose optimizer or scheduler state holds your own types. Without it a checkpoint is read as data only (tensors, numbers, strings, containers), as every checkpoint gradsync writes is, and one that names anything else is refused"})
     backend: str = field(default="auto", metadata={"help": "process-group backend: auto (nccl with CUDA, else gloo), gloo or nccl", "choices": BACKENDS})
-    model: str = field(default="gpt", metadata={"help": "built-in model (gpt: small causal LM; mlp: 8x1024 GELU MLP) or your own, pkg.module:factory or path/to/file.py:factory (a function returning a torch.nn.Module)", "type": _model_arg})
-    data: str = field(default="", metadata={"help": "built-in data (pysrc, random-tokens for gpt; teacher for mlp) or your own, pkg.module:factory or path/to/file.py:factory (returning a Dataset of (input, target) pairs or of dicts with 'labels', or a gradsync.TrainData); default follows --model", "type": _data_arg})
+    model: str = field(default="gpt", metadata={"help": "built-in model (gpt: small causal LM; mlp: 8x1024 GELU MLP) or your own, pkg.module:factory or path/to/file.py:factory (a function returning a torch.nn.Module)", "type": check_model})
+    data: str = field(default="", metadata={"help": "built-in data (pysrc, random-tokens for gpt; teacher for mlp) or your own, pkg.module:factory or path/to/file.py:factory (returning a Dataset of (input, target) pairs or of dicts with 'labels', or a gradsync.TrainData); default follows --model", "type": check_data})
     strategy: str = field(default="ddp", metadata={"help": "ddp: replicate everything; zero1: shard optimizer state; zero2: also gradients; zero3: also parameters (FSDP)", "choices": lambda: tuple(STRATEGIES)})
     precision: str = field(default="fp32", metadata={"help": "fp32 (the model's own dtype), or bf16: compute in bf16 with fp32 master weights, optimizer state and gradient reduction", "choices": PRECISIONS})
     sync: str = field(default="exact", metadata={"help": "exact: every step's gradient is the exact mean over the global batch; diloco: --sync-every local steps, then an outer Nesterov step on the item-weighted average of where the workers went (arXiv 2311.08105); streaming-diloco: the same in --fragments staggered fragments, overlapped with the next --sync-delay steps (arXiv 2501.18512)", "choices": SYNC_METHODS})
@@ -134,153 +105,46 @@ class TrainConfig:
     ft_timeout: float = field(default=5.0, metadata={"help": "seconds a cross-group collective waits for a silent group before the step is redone without it (a dead process is seen at once; a partitioned link after this)"})
 
     def __post_init__(self) -> None:
-        positive = ("workers", "steps", "global_batch", "micro_batch", "seq_len")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        cap = self.bucket_cap_mb
-        if cap != "auto" and not (isinstance(cap, (int, float)) and cap > 0):
-            raise UsageError(f"--bucket-cap-mb must be > 0 or 'auto', got {cap!r}")
-        for name in ("lr", "timeout"):
-            if not getattr(self, name) > 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)!r}")
-        if self.clip is None:  # the model's recipe: see the field's help and CLIP_RECIPE
-            self.clip = CLIP_RECIPE.get(self.model, 0.0)
-        if self.warmup < 0 or self.checkpoint_every < 0 or self.clip < 0:
-            raise UsageError("--warmup, --checkpoint-every and --clip must be >= 0")
-        if not isinstance(self.schedule_steps, int) or self.schedule_steps < 0:
-            raise UsageError(f"--schedule-steps must be an integer >= 0, got {self.schedule_steps!r}")
-        parse_overrides(self.override)  # names only what may be overridden (train/checkpoint/identity.py)
-        if self.eval_every < 0 or self.max_restarts < 0:
-            raise UsageError("--eval-every and --max-restarts must be >= 0")
-        if not 0 <= self.port <= 65535:
-            raise UsageError(f"--port must be in 0..65535, got {self.port}")
-        if self.resume is True or self.resume is None:  # from Python: resume=True
-            self.resume = "must"
-        elif self.resume is False:
-            self.resume = "auto"
-        for name, choices in (("backend", BACKENDS), ("strategy", tuple(STRATEGIES)),
-                              ("precision", PRECISIONS),
-                              ("resume", RESUME_CHOICES), ("on_nonfinite", NONFINITE_CHOICES),
-                              ("balance", BALANCE_CHOICES)):
-            if getattr(self, name) not in choices:
-                raise UsageError(f"unknown {name.replace('_', '-')} {getattr(self, name)!r}; "
-                                 f"choose from {', '.join(choices)}")
-        try:
-            _model_arg(self.model)
-            _data_arg(self.data)
-            _optimizer_arg(self.optimizer)
-            self._check_choices()
-        except argparse.ArgumentTypeError as e:
-            raise UsageError(str(e)) from None
-        if cap == "auto" and self.strategy in FIXED_BUCKETS:
-            raise UsageError(f"--bucket-cap-mb auto needs --strategy ddp: {self.strategy} "
-                             "shards along a fixed bucket layout")
-        if not self.data:
-            if self.model not in DEFAULT_DATA:
-                raise UsageError(f"--model {self.model} needs --data: a built-in dataset "
-                                 f"({', '.join(DATASETS)}) or pkg.module:factory")
-            self.data = DEFAULT_DATA[self.model]
-        if self.model in DATA_FOR_MODEL and self.data in DATASETS \
-                and self.data not in DATA_FOR_MODEL[self.model]:
-            raise UsageError(f"--data {self.data} does not fit --model {self.model}; "
-                             f"use one of {', '.join(DATA_FOR_MODEL[self.model])}")
-        if not self.out:
-            self.out = time.strftime("runs/%Y%m%d-%H%M%S")
-        # the same checks as the engine's, before any worker starts
-        self.sync_options().check_precision(self.precision)
-        if self.drift_every < 0 or self.baseline_steps < 1:
-            raise UsageError("--drift-every must be >= 0 and --baseline-steps >= 1")
-        if self.trace_steps:
-            self.trace = True
-        self.trace_window()
-        parse_stragglers(self.straggler)
-        self.log = check_log(self.log)  # unknown trackers, missing packages: refused now
-        check_mode_flags(self)  # --sync-every without --sync diloco: refused, not ignored
-        check_ft(self)  # --ft-groups with what it cannot carry yet: refused (ft/flags.py)
-        check_data_parts(self)  # --data-parts with what it cannot keep apart (parts_flags.py)
+        resolved = resolve(self)  # every check, once; raises one UsageError
+        for name, value in resolved.to_dict().items():  # the defaults it filled in
+            setattr(self, name, value)
+        self._resolved = (asdict(self), resolved)
 
+    def resolved(self) -> RunConfig:
+        """The frozen config the run reads (:func:`resolve`): the one made when this config
+        was, unless a field has been set since (then resolved, and checked, again)."""
+        flags, resolved = getattr(self, "_resolved", (None, None))
+        if flags != asdict(self):
+            resolved = resolve(self)
+            self._resolved = (asdict(self), resolved)
+        return resolved
+
+    # Readings for Python users of a TrainConfig; the run reads them from its RunConfig.
     def sync_options(self) -> SyncOptions:
-        if self.compress.split(":")[0] not in ("none", "bf16", "fp16", "powersgd", "int8"):
-            raise UsageError(f"unknown --compress {self.compress!r}; choose none, bf16, fp16, "
-                             "powersgd:R or int8")
-        return SyncOptions(method=self.sync, every=self.sync_every, fragments=self.fragments,
-                           delay=self.sync_delay, alpha=self.sync_alpha, outer_lr=self.outer_lr,
-                           outer_momentum=self.outer_momentum, compress=self.compress,
-                           collectives=self.collectives, probe_every=self.probe_every,
-                           compress_delay=self.compress_delay,
-                           warmup=self.sync_warmup, momentum_warmup=self.outer_momentum_warmup,
-                           every_max=self.sync_every_max, eager=self.sync_eager)
+        return self.resolved().sync.options
 
     @property
     def balanced(self) -> bool:
         """Whether steps are split by measured speed: only where the gradient is exact."""
-        return self.balance == "auto" and self.sync == "exact" and self.compress == "none"
-
-    def _check_choices(self) -> None:
-        """--weight-decay, --betas, --scheduler (``train/task/optim.py``)."""
-        if self.weight_decay is not None and not (isinstance(self.weight_decay, (int, float))
-                                                  and self.weight_decay >= 0):
-            raise UsageError(f"--weight-decay must be a number >= 0, got {self.weight_decay!r}")
-        if self.betas_pair and self.optimizer_name == "sgd":  # parses, or names the problem
-            raise UsageError(f"--betas is an Adam option; the optimizer is sgd (--optimizer "
-                             f"{self.optimizer}), which has none")
-        if self.scheduler and not is_factory_spec(self.scheduler):
-            raise UsageError(f"--scheduler takes pkg.module:factory, got {self.scheduler!r}")
-
-    @property
-    def betas_pair(self) -> tuple[float, float] | None:
-        """--betas as (B1, B2); None when not given."""
-        if not self.betas:
-            return None
-        try:
-            pair = tuple(float(v) for v in str(self.betas).split(","))
-        except ValueError:
-            pair = ()
-        if len(pair) != 2 or not all(0 <= b < 1 for b in pair):
-            raise UsageError(f"--betas takes B1,B2, each in [0, 1), got {self.betas!r}")
-        return pair
+        return self.resolved().batch.balanced
 
     @property
     def optimizer_name(self) -> str:
-        """The built-in optimizer ``auto`` stands for, or the user's factory as
-        ``pkg.module:factory``: what checkpoints record (resume refuses another)."""
-        if self.optimizer != "auto":
-            return self.optimizer
-        return "sgd" if self.model == "mlp" else "adamw"
+        """The built-in optimizer ``auto`` stands for, or the user's ``pkg.module:factory``."""
+        return self.resolved().optim.optimizer_name
+
+    @property
+    def betas_pair(self) -> tuple[float, float] | None:
+        return self.resolved().optim.betas_pair
 
     def trace_window(self) -> tuple[int, int] | None:
-        """The traced steps (1-based, inclusive), or None; checked against --steps."""
-        return traced_steps(self.trace, self.trace_steps, self.steps)
+        return self.resolved().observe.trace_window
 
     def accumulation(self, world_size: int, resuming: bool = False) -> int:
-        """Micro-steps per optimizer step; the global batch must divide exactly.
-        ``resuming``: the global batch is the run's own, so the error lists the worker
-        counts and micro-batches that split it (``train/config/splits.py``), not other batches.
-        Across replica groups the quorum deals each step's batch (``ft/shares.py``): the
-        count with every group present, rounded up, and nothing has to divide."""
-        if self.ft_groups:
-            per_rank = -(-self.global_batch // (self.ft_groups * world_size))
-            return max(1, -(-per_rank // self.micro_batch))
-        per_step = self.micro_batch * world_size
-        if self.global_batch % per_step and resuming:
-            raise UsageError(
-                f"--global-batch {self.global_batch} is this run's, kept when it continues, "
-                f"and not a multiple of --micro-batch {self.micro_batch} x {world_size} "
-                f"worker{'' if world_size == 1 else 's'} = {per_step}; "
-                + continue_on(self.global_batch, self.micro_batch, world_size))
-        if self.global_batch % per_step:
-            lower = max(per_step, self.global_batch // per_step * per_step)
-            fits = [m for m in range(self.micro_batch, 0, -1)
-                    if self.global_batch % (m * world_size) == 0]
-            alt = f", or --micro-batch {fits[0]}" if fits else ""
-            raise UsageError(
-                f"--global-batch {self.global_batch} is not a multiple of --micro-batch "
-                f"{self.micro_batch} x {world_size} worker{'' if world_size == 1 else 's'} = "
-                f"{per_step}; try --global-batch "
-                f"{lower} or {lower + per_step}{alt}")
-        return self.global_batch // per_step
+        """Micro-steps per optimizer step on ``world_size`` workers (``plan.accumulation``)."""
+        from .plan import accumulation
+
+        return accumulation(self.resolved(), world_size, resuming)
 
     def to_dict(self) -> dict:
         return asdict(self)

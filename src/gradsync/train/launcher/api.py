@@ -27,6 +27,7 @@ from ... import dist as gdist
 from ...errors import UsageError, WorkerFailedError
 from ...factory import check_factory, factory_name, is_factory_spec
 from ..checkpoint.restarts import record_pending
+from ..config.resolve import RunConfig
 from ..config.train_config import TrainConfig
 from ..records.callbacks import check_callbacks
 from ..records.summary import repair_summary
@@ -43,24 +44,24 @@ ONE_LINE_ERRORS = ("UsageError", "CheckpointCorrupt", "CheckpointError", "Unsafe
 FLIGHT_ENV = "GRADSYNC_FLIGHT_DIR"
 
 
-def launch_workers(cfg: TrainConfig, model_fn=None, data_fn=None,
+def launch_workers(cfg: RunConfig, model_fn=None, data_fn=None,
                    faults: FaultInjector | None = None, factories: dict | None = None,
                    callbacks: list | None = None) -> dict | None:
-    """Start ``cfg.workers`` local workers on a prepared run directory; rank 0's summary."""
+    """Start ``cfg.run.workers`` local workers on a prepared run directory; rank 0's summary."""
     from ...launch import launch  # it patches torch's rendezvous when imported
 
     # a collective that fails leaves each rank's flight record in the run directory,
     # where the launcher's hang report (and the user) find it; an explicit setting wins
-    flight = os.environ.get(FLIGHT_ENV) or os.path.join(os.path.abspath(cfg.out), "flight")
+    flight = os.environ.get(FLIGHT_ENV) or os.path.join(os.path.abspath(cfg.run.out), "flight")
     saved = os.environ.get(FLIGHT_ENV)
     os.environ[FLIGHT_ENV] = flight
     try:
-        results = launch(run_worker, cfg.workers,
-                         (cfg.to_dict(), model_fn, data_fn, faults, True, factories,
-                          callbacks),
-                         backend=cfg.backend, timeout_s=cfg.timeout,
-                         rdzv_endpoint=f"localhost:{cfg.port}", max_restarts=cfg.max_restarts,
-                         on_restart=record_pending(cfg.out, cfg.max_restarts))
+        run = cfg.run
+        results = launch(run_worker, run.workers,  # the resolved config itself, pickled
+                         (cfg, model_fn, data_fn, faults, True, factories, callbacks),
+                         backend=run.backend, timeout_s=run.timeout,
+                         rdzv_endpoint=f"localhost:{run.port}", max_restarts=run.max_restarts,
+                         on_restart=record_pending(run.out, run.max_restarts))
     finally:
         if saved is None:
             os.environ.pop(FLIGHT_ENV, None)
@@ -77,6 +78,7 @@ def usage_error_of(err: WorkerFailedError) -> UsageError | None:
 
 
 def _config(config, model, data, overrides: dict) -> tuple[TrainConfig, object, object]:
+    """The flags ``gs.train`` was given, as one TrainConfig, and the factory objects."""
     if config is None:
         config = TrainConfig(**overrides) if overrides else TrainConfig()
     elif isinstance(config, dict):
@@ -130,17 +132,19 @@ def train(config: TrainConfig | dict | None = None, model=None, data=None, *,
                          "top level: call it under `if __name__ == \"__main__\":`")
     factories = take_factories(overrides)
     callbacks = check_callbacks(callbacks)
-    cfg, model_fn, data_fn = _config(config, model, data, overrides)
-    if dist.is_initialized():
-        cfg = dataclasses.replace(cfg, workers=gdist.world_size())
-        return run_worker(cfg.to_dict(), model_fn, data_fn, faults, False, factories, callbacks)
+    given, model_fn, data_fn = _config(config, model, data, overrides)
+    if dist.is_initialized() and given.workers != gdist.world_size():
+        given = dataclasses.replace(given, workers=gdist.world_size())  # the group's own
+    cfg = given.resolved()
+    if dist.is_initialized():  # this process is one rank of a group: its part of the run
+        return run_worker(cfg, model_fn, data_fn, faults, False, factories, callbacks)
     plan, lock = preflight(cfg, model_fn)
     try:
         if lock.note():
             print(f"gradsync train: {lock.note()}", flush=True)
         if plan.action == "finished":
             print(finished_line(cfg, plan.step, plan.schedule_steps), flush=True)
-            repair_summary(cfg.out)
+            repair_summary(cfg.run.out)
             return None
         try:
             return launch_workers(cfg, model_fn, data_fn, faults, factories, callbacks)

@@ -1,29 +1,26 @@
 """Everything the launching process can check before starting processes, checked once, clearly.
 
 ``gradsync train`` and ``gs.train`` (when they launch workers) call :func:`preflight`
-before any process exists: the batch splits over ``--workers``, ``--data-parts`` fits
-them, the backend exists, a built-in dataset holds a global batch, the port is free,
-the run directory is writable with room for a save; then it takes the directory's lock
-and reads the checkpoint (every byte verified) to decide: fresh, continue, or finished.
-Each problem is one line, exit code 2, before anything starts. Under ``torchrun`` rank 0
-of the worker group makes the same checks (``worker/setup.py``).
+before any process exists. What only the launching machine can check is checked
+here: the backend's devices for ``--workers``, a built-in dataset holds a global
+batch, the port is free. The rest -- the batch splits over the workers, the run
+directory is writable with room for a save, its lock, the checkpoint read (every byte
+verified) and the decision (fresh, continue, or finished) -- is
+:func:`~gradsync.train.config.plan.plan_run`, the same function a torchrun worker
+group's rank 0 calls (``worker/setup.py``). Each problem is one line, exit code 2,
+before anything starts.
 """
 
 from __future__ import annotations
 
-import os
 import socket
+from collections.abc import Callable
 
 from ... import dist as gdist
 from ...errors import UsageError
-from ...rundir import CHECKPOINT
-from ...safeload import trusting
-from ..checkpoint import state
-from ..checkpoint.guard import RunLock, check_run_dir
-from ..checkpoint.size import space_needed
-from ..checkpoint.unit import read_unit
-from ..config.parts_flags import check_data_parts_world
-from ..config.train_config import TrainConfig
+from ..checkpoint.guard import RunLock
+from ..config.plan import RunPlan, check_data_size, plan_run, same_command_on
+from ..config.resolve import RunConfig
 from ..task.build import builtin_data
 from ..task.builtins import DATASETS
 
@@ -37,42 +34,23 @@ def _check_port_free(port: int) -> None:
                              "--port or leave it out to pick a free one") from None
 
 
-def preflight(cfg: TrainConfig, model_fn=None) -> tuple[state.ResumePlan, RunLock]:
+def preflight(cfg: RunConfig, model_fn=None,
+              continue_with: Callable[[int], str] = same_command_on) -> tuple[RunPlan, RunLock]:
     """Everything that can be checked before starting processes, checked once, clearly.
 
-    Returns the resume decision and the run directory's lock, held (release it).
+    Returns the run's plan and the run directory's lock, held (release it).
+    ``continue_with(n)``: how the user continues on ``n`` workers (``plan_run``).
     """
-    try:
-        cfg.accumulation(cfg.workers)
-        split = True
-    except UsageError:  # a continued run keeps its batch: said once its checkpoint is read
-        if not os.path.exists(os.path.join(cfg.out, CHECKPOINT)):
-            raise
-        split = False
-    check_data_parts_world(cfg, cfg.workers)  # P divides K: said before any worker starts
-    gdist.check_local_devices(gdist.resolve_backend(cfg.backend), cfg.workers)  # GPUs per worker
-    if cfg.data in DATASETS:
-        try:
-            n = len(builtin_data(cfg.data, cfg).train)
-        except ValueError as e:  # e.g. a sequence longer than the whole corpus
-            raise UsageError(f"--data {cfg.data}: {e}") from None
-        if n < cfg.global_batch:
-            raise UsageError(f"--data {cfg.data} holds {n} sample{'' if n == 1 else 's'}, "
-                             "fewer than one global "
-                             f"batch ({cfg.global_batch}); every step needs distinct samples")
-    if cfg.port:
-        _check_port_free(cfg.port)
-    created = not os.path.exists(cfg.out)
-    check_run_dir(cfg.out, space_needed(cfg, model_fn), overwrite=cfg.overwrite)
-    lock = RunLock(cfg.out, created=created).acquire()
-    try:
-        path = os.path.join(cfg.out, CHECKPOINT)
-        with trusting(cfg.trust_checkpoint_code):  # data only, unless the user opted in
-            plan = state.decide(cfg, read_unit(path))  # verified: the whole unit, every byte
-        lock.claim()  # gradsync's run directory from now on (guard.py)
-        if not split:  # on resume: the worker counts and micro-batches that carry it
-            cfg.accumulation(cfg.workers, resuming=plan.action != "fresh")
-    except BaseException:
-        lock.release()
-        raise
-    return plan, lock
+    def launcher_checks() -> None:  # after the batch and the world, before the directory
+        gdist.check_local_devices(gdist.resolve_backend(cfg.run.backend), cfg.run.workers)
+        if cfg.run.data in DATASETS:
+            try:
+                n = len(builtin_data(cfg.run.data, cfg).train)
+            except ValueError as e:  # e.g. a sequence longer than the whole corpus
+                raise UsageError(f"--data {cfg.run.data}: {e}") from None
+            check_data_size(cfg, n)
+        if cfg.run.port:
+            _check_port_free(cfg.run.port)
+
+    return plan_run(cfg, cfg.run.workers, model_fn=model_fn, continue_with=continue_with,
+                    before_directory=launcher_checks)

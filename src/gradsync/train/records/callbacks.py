@@ -108,10 +108,10 @@ class Callbacks:
                 fn(info)
 
     def _info(self, sess, rec) -> CallbackInfo:
-        return CallbackInfo(step=rec.step, steps=sess.cfg.steps, loss=rec.loss, lr=rec.lr,
+        return CallbackInfo(step=rec.step, steps=sess.cfg.run.steps, loss=rec.loss, lr=rec.lr,
                             grad_norm=rec.grad_norm, skipped=rec.skipped,
                             eval_loss=rec.eval_loss, eval_metrics=dict(rec.eval_metrics or {}),
-                            out=sess.cfg.out, record=rec.to_json())
+                            out=sess.cfg.run.out, record=rec.to_json())
 
     def step_ended(self, sess, rec) -> None:
         """A step is done (its line written, evaluated if due), before anything between
@@ -127,5 +127,5 @@ class Callbacks:
     def saved(self, sess, rec) -> None:
         """The checkpoint after step ``rec.step`` is complete on disk."""
         if self.callbacks:
-            path = os.path.join(sess.cfg.out, CHECKPOINT)
+            path = os.path.join(sess.cfg.run.out, CHECKPOINT)
             self._call("on_checkpoint", replace(self._info(sess, rec), checkpoint=path))

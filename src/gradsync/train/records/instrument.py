@@ -31,24 +31,24 @@ from ...errors import ReplicaMismatchError
 from ...observe.chrome import rank_payload, write_trace
 from ...observe.metrics import StepMeter, peak_memory_bytes
 from ...rundir import BASELINE, DRIFT, PLAN, SUMMARY, TRACE, read_json, write_json
-from ..config.train_config import TrainConfig
+from ..config.resolve import RunConfig
 
 STATS = ("loss_sum", "items", "grad_norm", "exposed_s", "bytes", "peak_memory", "samples",
          "busy_s")
 
 
 class Instruments:
-    def __init__(self, cfg: TrainConfig, rank: int, world: int, device: torch.device):
+    def __init__(self, cfg: RunConfig, rank: int, world: int, device: torch.device):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.meter = StepMeter()
-        self.window = cfg.trace_window()
+        self.window = cfg.observe.trace_window
         self.tracer = Tracer(rank) if self.window else None
         self.tracing = False
         # "at": where replicas are expected identical -- "steps" (every N steps and the
         # end), "syncs" (local updates: after each sync), "end" (streaming: the final sync)
-        at = {"diloco": "syncs", "streaming-diloco": "end"}.get(cfg.sync, "steps")
-        self.drift = {"checks": 0, "ok": True, "every": cfg.drift_every, "last_step": None,
-                      "at": at}
+        at = {"diloco": "syncs", "streaming-diloco": "end"}.get(cfg.sync.method, "steps")
+        self.drift = {"checks": 0, "ok": True, "every": cfg.observe.drift_every,
+                      "last_step": None, "at": at}
         self._local_checked: tuple[int, int] | None = None  # (step, inner step) last checked
 
     # ---------------------------------------------------------------- per step
@@ -90,7 +90,7 @@ class Instruments:
         if not self.tracing:
             return
         self.tracer.end_step()
-        if step >= self.window[1] or step >= self.cfg.steps:
+        if step >= self.window[1] or step >= self.cfg.run.steps:
             self.tracer.stop()
             self.tracing = False
             self._write_trace()
@@ -99,7 +99,7 @@ class Instruments:
         gathered = [None] * self.world if self.rank == 0 else None
         dist.gather_object(rank_payload(self.tracer), gathered, dst=0)
         if self.rank == 0:
-            write_trace(os.path.join(self.cfg.out, TRACE), gathered)
+            write_trace(os.path.join(self.cfg.run.out, TRACE), gathered)
 
     def step_figures(self, rows: list[list[float]], step_s: float) -> dict:
         """The measured fields of this step's StepRecord (rank 0's times, every rank's
@@ -127,7 +127,7 @@ class Instruments:
         dp = strategy.model
         if self.rank != 0 or not strategy.bucket_plan or not hasattr(dp, "param_specs"):
             return
-        write_json(os.path.join(self.cfg.out, PLAN), {
+        write_json(os.path.join(self.cfg.run.out, PLAN), {
             "bucket_cap_mb": dp.bucket_cap_bytes / 2**20,
             "first_bucket_mb": dp.first_bucket_bytes / 2**20,
             "world_size": self.world,
@@ -148,7 +148,7 @@ class Instruments:
         copy, so its replicas agree only after the final sync, at the end. zero3,
         whose ranks hold different shards: never.
         """
-        if not self.cfg.drift_every or not self._drift_due(step, strategy):
+        if not self.cfg.observe.drift_every or not self._drift_due(step, strategy):
             return
         module = strategy if isinstance(strategy, torch.nn.Module) else strategy.module
         try:
@@ -167,22 +167,23 @@ class Instruments:
         self._save_drift()
 
     def _drift_due(self, step: int, strategy) -> bool:
+        every = self.cfg.observe.drift_every
         if isinstance(strategy, LocalUpdateStrategy):
             diloco = strategy.diloco
             inner, last = diloco.steps, self._local_checked  # a skipped step: no inner step
             synced = (not isinstance(diloco, StreamingDiLoCo) and inner
                       and diloco.replicas_agree and (last is None or (
-                          inner != last[1] and step - last[0] >= self.cfg.drift_every)))
-            if synced or step == self.cfg.steps:  # the last step ends with a sync
+                          inner != last[1] and step - last[0] >= every)))
+            if synced or step == self.cfg.run.steps:  # the last step ends with a sync
                 self._local_checked = (step, inner)
                 return True
             return False
-        every, replicated = self.cfg.drift_every, getattr(strategy, "replicated", True)
-        return replicated and (step % every == 0 or step == self.cfg.steps)
+        replicated = getattr(strategy, "replicated", True)
+        return replicated and (step % every == 0 or step == self.cfg.run.steps)
 
     def _save_drift(self) -> None:
         if self.rank == 0:
-            write_json(os.path.join(self.cfg.out, DRIFT), self.drift, indent=1)
+            write_json(os.path.join(self.cfg.run.out, DRIFT), self.drift, indent=1)
 
     def close(self) -> None:
         if self.tracer is not None and self.tracing:
@@ -203,9 +204,9 @@ def finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x)
 
 
-def baseline_rate_of(cfg: TrainConfig) -> float | None:
+def baseline_rate_of(cfg: RunConfig) -> float | None:
     """Samples/s of the 1-worker baseline run in OUT/baseline, if one was run."""
-    summary = read_json(os.path.join(cfg.out, BASELINE, SUMMARY))
+    summary = read_json(os.path.join(cfg.run.out, BASELINE, SUMMARY))
     try:
         return float(summary["samples_per_s"])
     except (TypeError, KeyError, ValueError):

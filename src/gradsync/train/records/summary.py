@@ -28,7 +28,7 @@ def _median(values: list[float]) -> float | None:
 
 def _skipped(sess: Session) -> list[int]:
     """Steps whose update was skipped over the whole run (all attempts), from metrics.jsonl."""
-    rows, _ = read_metrics(os.path.join(sess.cfg.out, METRICS))
+    rows, _ = read_metrics(os.path.join(sess.cfg.run.out, METRICS))
     return sorted({r["step"] for r in rows if r.get("skipped")} | set(sess.skipped))
 
 
@@ -53,12 +53,13 @@ def build_summary(sess: Session) -> Summary:
     if sess.unit == "tokens" and median and sess.items_per_step:
         per_step_items = sess.items_per_step / median
     summary = Summary(
-        model=cfg.model, data=cfg.data, strategy=cfg.strategy, precision=cfg.precision,
-        optimizer=cfg.optimizer_name, seed=cfg.seed, steps=cfg.steps, world_size=sess.world,
-        accumulation=sess.accum, global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
+        model=cfg.run.model, data=cfg.run.data, strategy=cfg.sync.strategy,
+        precision=cfg.sync.precision, optimizer=cfg.optim.optimizer_name, seed=cfg.run.seed,
+        steps=cfg.run.steps, world_size=sess.world, accumulation=sess.plan.accumulation,
+        global_batch=cfg.batch.global_batch, micro_batch=cfg.batch.micro_batch,
         final_loss=sess.last_loss, final_eval_loss=sess.last_eval,
         resumed_from=sess.start_step, world_sizes=list(sess.world_sizes),
-        median_step_s=median, samples_per_s=cfg.global_batch / median if median else None,
+        median_step_s=median, samples_per_s=cfg.batch.global_batch / median if median else None,
         tokens_per_s=per_step_items, train_wall_s=time.perf_counter() - sess.loop_started,
         total_wall_s=time.perf_counter() - sess.started, checkpoint=sess.ckpt_path,
         buckets=len(strategy.bucket_plan), bucket_cap_mb=strategy.bucket_cap_mb,
@@ -69,7 +70,7 @@ def build_summary(sess: Session) -> Summary:
                                              "chosen_mb": tuned.chosen_mb})
     summary.gradient_bytes = gradient_bytes(strategy)
     summary.collectives = getattr(strategy, "collectives", None)
-    rows, _ = read_metrics(os.path.join(cfg.out, METRICS))  # every attempt's steps
+    rows, _ = read_metrics(os.path.join(cfg.run.out, METRICS))  # every attempt's steps
     if sess.ft:
         summary.fault_tolerance = ft_figures(sess, rows)
     traffic = run_traffic(rows, summary.gradient_bytes)
@@ -90,13 +91,13 @@ def finish(sess: Session) -> dict | None:
     if sess.rank != 0:
         return None
     cfg, s = sess.cfg, build_summary(sess)
-    write_json(os.path.join(cfg.out, SUMMARY), s.to_json())
+    write_json(os.path.join(cfg.run.out, SUMMARY), s.to_json())
     tuned = sess.strategy.autotune_result
     rate = s.tokens_per_s if sess.unit == "tokens" else s.samples_per_s
     sizes = " -> ".join(map(str, s.world_sizes))
     rows = [
         ("final loss", _f(s.final_loss, ".4f")),
-        ("final eval loss", _f(s.final_eval_loss, ".4f") if cfg.eval_every else "off"),
+        ("final eval loss", _f(s.final_eval_loss, ".4f") if cfg.observe.eval_every else "off"),
         (f"throughput ({sess.unit}/s, median step)", _f(rate, ",.0f")),
         ("median step time", _f(s.median_step_s and s.median_step_s * 1e3, ".1f", " ms")),
         ("workers x accumulation", f"{s.world_size} x {s.accumulation}"
@@ -122,28 +123,28 @@ def finish(sess: Session) -> dict | None:
         rows.insert(-1, ("resumed from step", str(s.resumed_from)))
     if s.skipped_steps:
         rows.insert(1, ("skipped steps (non-finite)", ", ".join(map(str, s.skipped_steps))))
-    sess.display.summary(rows, title=f"gradsync train: {cfg.model} on {cfg.data} "
-                                     f"({cfg.strategy}, {cfg.precision})")
+    sess.display.summary(rows, title=f"gradsync train: {cfg.run.model} on {cfg.run.data} "
+                                     f"({cfg.sync.strategy}, {cfg.sync.precision})")
     mem = sess.memory or sess.strategy.memory_report()
     sess.display.console.print(mem.render(), highlight=False)
-    if not cfg.no_report:
-        write_report_safely(cfg.out)
+    if not cfg.observe.no_report:
+        write_report_safely(cfg.run.out)
     return s.to_json()
 
 
 def _traffic_line(cfg, s: Summary) -> str:
-    rows, _ = read_metrics(os.path.join(cfg.out, METRICS))
-    return traffic_line(run_traffic(rows, s.gradient_bytes), cfg.strategy)
+    rows, _ = read_metrics(os.path.join(cfg.run.out, METRICS))
+    return traffic_line(run_traffic(rows, s.gradient_bytes), cfg.sync.strategy)
 
 
 def _balance_line(sess: Session) -> str:
     """What --balance did over the whole run (every attempt), from metrics.jsonl."""
     cfg = sess.cfg
-    if cfg.balance == "off":
+    if cfg.batch.balance == "off":
         return "off"
-    if not cfg.balanced:
+    if not cfg.batch.balanced:
         return "off (only with --sync exact and no --compress)"
-    rows, _ = read_metrics(os.path.join(cfg.out, METRICS))
+    rows, _ = read_metrics(os.path.join(cfg.run.out, METRICS))
     uneven = [r for r in rows if len(set(r.get("share_by_rank") or [0])) > 1]
     if not uneven:
         return "on; even split throughout (no rank measured slower)"

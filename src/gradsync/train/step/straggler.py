@@ -50,13 +50,10 @@ def parse_stragglers(text: str) -> list[Straggler]:
 class Slowdown:
     """This rank's emulated slowness: :meth:`after_micro_batch` sleeps when it applies."""
 
-    def __init__(self, text: str, rank: int, world: int):
-        every = parse_stragglers(text)
-        beyond = sorted({s.rank for s in every if s.rank >= world})
-        if beyond:
-            raise UsageError(f"--straggler names rank {beyond[0]}, but the run has {world} "
-                             f"worker(s) (ranks 0..{world - 1})")
-        mine = [s for s in every if s.rank == rank]
+    def __init__(self, stragglers, rank: int):
+        """``stragglers``: ``--straggler`` parsed (:func:`parse_stragglers`, when the config
+        was resolved; ``config/plan.py`` checked its ranks against the workers)."""
+        mine = [s for s in stragglers if s.rank == rank]
         self.stragglers = sorted(mine, key=lambda s: s.from_step)
         self._clock = BusyClock() if self.stragglers else None
 

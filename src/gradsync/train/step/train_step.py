@@ -111,7 +111,7 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
     busy = sess.inst.busy_s(t0)
     with tracing.span("optimizer"):
         sums = quorum_step.reduce(sess, items, float(loss_sum)) if sess.ft else None
-        norm_t = strategy.clip_grad_norm_(cfg.clip)
+        norm_t = strategy.clip_grad_norm_(cfg.optim.clip)
         stats = sess.inst.gather_stats(loss_sum, float(items), norm_t, len(share), busy)
         rows = stats.tolist()  # the table is on the host: one conversion for every figure
         norm = rows[sess.rank][2]
@@ -128,12 +128,12 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
         if problem is None:
             strategy.optimizer.step()
             strategy.after_step(int(total_items))
-        elif cfg.on_nonfinite == "skip-step":
+        elif cfg.optim.on_nonfinite == "skip-step":
             sess.skipped.append(step)
-        if step == cfg.steps:
+        if step == cfg.run.steps:
             strategy.finish()
         sess.sched.step()  # a skipped step still counts: the schedule follows step numbers
-        if step == cfg.steps:  # the summary's report: the step at its fullest,
+        if step == cfg.run.steps:  # the summary's report: the step at its fullest,
             sess.memory = strategy.memory_report()  # gradients and optimizer state both held
         strategy.zero_grad()
     step_s = time.perf_counter() - t0
@@ -141,7 +141,7 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
     figures = sess.inst.step_figures(rows, step_s)  # the step's own, before any evaluation
     saved = balance(sess, step, figures["share_by_rank"], figures["busy_s_by_rank"])
     sess.inst.end_step(step)
-    stop = problem is not None and cfg.on_nonfinite == "stop"
+    stop = problem is not None and cfg.optim.on_nonfinite == "stop"
     eval_loss, eval_metrics = (None, None) if stop else maybe_evaluate(sess, step)
     sess.last_loss = global_loss
     sess.items_per_step = int(total_items)
@@ -153,7 +153,7 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
                      skipped=problem is not None, eval_loss=eval_loss,
                      eval_metrics=eval_metrics,
                      time_s=time.perf_counter() - sess.loop_started, unix_time=time.time(),
-                     samples_per_s=cfg.global_batch / step_s,
+                     samples_per_s=cfg.batch.global_batch / step_s,
                      tokens_per_s=rate if sess.unit == "tokens" else None,
                      balance_saved_s=saved,
                      host_reads=reads.count + host.reads - reads0 if reads else None,
@@ -194,10 +194,10 @@ def balance(sess: Session, step: int, shares: list[int], busy: list[float]) -> f
 
 def maybe_evaluate(sess: Session, step: int) -> tuple[float | None, dict | None]:
     """(held-out loss, metrics) on an evaluation step, else (None, None)."""
-    every = sess.cfg.eval_every
+    every = sess.cfg.observe.eval_every
     if not every or sess.task.data.eval is None:
         return None, None
-    if step % every and step != sess.cfg.steps:
+    if step % every and step != sess.cfg.run.steps:
         return None, None
     sess.last_eval, metrics = evaluate(sess)
     return sess.last_eval, metrics if sess.task.data.metrics else None
@@ -217,7 +217,7 @@ def evaluate(sess: Session) -> tuple[float | None, dict[str, float]]:
     data, task, model = sess.task.data.eval, sess.task, sess.strategy.model
     metrics = task.data.metrics
     mine = list(range(sess.rank, len(data), sess.world))
-    m = sess.cfg.global_batch // sess.world
+    m = sess.cfg.batch.global_batch // sess.world
     rounds = math.ceil(math.ceil(len(data) / sess.world) / m)
     was_training = model.training
     model.eval()

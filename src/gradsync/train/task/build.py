@@ -43,7 +43,7 @@ from torch.utils.data import Dataset
 from ...errors import UsageError
 from ...factory import factory_name, is_factory_spec, load_factory
 from ...models import build_model
-from ..config.train_config import TrainConfig
+from ..config.resolve import RunConfig
 from .builtins import DATASETS, split_held_out
 from .conventions import IGNORE_INDEX, causal_lm_layout, labelled, shifted_lm_loss
 from .conventions import logits as _logits
@@ -125,10 +125,10 @@ def _sample_items(x, y) -> int:
     return int(y.shape[0])
 
 
-def builtin_data(name: str, cfg: TrainConfig) -> TrainData:
+def builtin_data(name: str, cfg: RunConfig) -> TrainData:
     if name not in DATASETS:
         raise UsageError(f"unknown data {name!r}; choose from {', '.join(DATASETS)}")
-    train, held = split_held_out(DATASETS[name][1](cfg.seq_len, cfg.seed))
+    train, held = split_held_out(DATASETS[name][1](cfg.run.seq_len, cfg.run.seed))
     return complete(TrainData(train, held))
 
 
@@ -171,22 +171,23 @@ def _refuse_meta(model: nn.Module, name: str) -> None:
                              "initialise it, or load a state dict with assign=True)")
 
 
-def build_task(cfg: TrainConfig, model_fn: Callable | None = None,
+def build_task(cfg: RunConfig, model_fn: Callable | None = None,
                data_fn: Callable | None = None) -> Task:
     """Model (seeded identically on every rank), data, loss, items and optimizer."""
-    torch.manual_seed(cfg.seed)
-    model_fn = model_fn or (load_factory(cfg.model) if is_factory_spec(cfg.model) else None)
+    torch.manual_seed(cfg.run.seed)
+    run = cfg.run
+    model_fn = model_fn or (load_factory(run.model) if is_factory_spec(run.model) else None)
     if model_fn is not None:
         model = model_fn()
         if not isinstance(model, nn.Module):
             raise UsageError(f"model factory {factory_name(model_fn)} returned "
                              f"{type(model).__name__}, not a torch.nn.Module")
-    elif cfg.model == "gpt":
-        model = build_model("gpt", seq_len=cfg.seq_len)
+    elif cfg.run.model == "gpt":
+        model = build_model("gpt", seq_len=cfg.run.seq_len)
     else:
-        model = build_model(cfg.model)
-    _refuse_meta(model, cfg.model)
-    data_fn = data_fn or (load_factory(cfg.data) if is_factory_spec(cfg.data) else None)
-    data = complete(data_fn()) if data_fn is not None else builtin_data(cfg.data, cfg)
-    return Task(model, data, optimizer_factory(cfg), scheduler_factory(cfg), cfg.model, cfg.data)
+        model = build_model(cfg.run.model)
+    _refuse_meta(model, cfg.run.model)
+    data_fn = data_fn or (load_factory(cfg.run.data) if is_factory_spec(cfg.run.data) else None)
+    data = complete(data_fn()) if data_fn is not None else builtin_data(cfg.run.data, cfg)
+    return Task(model, data, optimizer_factory(cfg), scheduler_factory(cfg), run.model, run.data)
 

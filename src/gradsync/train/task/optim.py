@@ -57,7 +57,6 @@ from ...engine.strategy.registry import FIXED_BUCKETS, build_strategy
 from ...errors import UsageError
 from .builtins import OPTIMIZERS
 from .loader import load_callable
-from .schedule import planned_steps
 
 DECAY, NO_DECAY = "decay", "no_decay"
 
@@ -76,8 +75,9 @@ def split_decay(module: nn.Module) -> dict[str, str]:
 
 def group_options(cfg) -> tuple[dict, dict]:
     """The options the flags give (decay group, no-decay group); unset flags add none."""
-    both = {"betas": cfg.betas_pair} if cfg.betas_pair else {}
-    decay = {"weight_decay": float(cfg.weight_decay)} if cfg.weight_decay is not None else {}
+    optim = cfg.optim
+    both = {"betas": optim.betas_pair} if optim.betas_pair else {}
+    decay = {"weight_decay": float(optim.weight_decay)} if optim.weight_decay is not None else {}
     return {"name": DECAY, **both, **decay}, {"name": NO_DECAY, **both, "weight_decay": 0.0}
 
 
@@ -93,7 +93,7 @@ def _check_signature(fn: Callable, name: str, args: tuple[str, str]) -> None:
 
 def optimizer_factory(cfg) -> Callable:
     """The factory ``--optimizer`` names: a built-in's, or the user's, loaded and checked."""
-    name = cfg.optimizer_name
+    name = cfg.optim.optimizer_name
     if name in OPTIMIZERS:
         return OPTIMIZERS[name]
     factory = load_callable(name, "--optimizer")
@@ -103,23 +103,26 @@ def optimizer_factory(cfg) -> Callable:
 
 def scheduler_factory(cfg) -> Callable | None:
     """The ``--scheduler`` factory, loaded and checked; None: the built-in schedule."""
-    if not cfg.scheduler:
+    name = cfg.optim.scheduler
+    if not name:
         return None
-    factory = load_callable(cfg.scheduler, "--scheduler")
-    _check_signature(factory, f"scheduler factory {cfg.scheduler}", ("optimizer", "total_steps"))
+    factory = load_callable(name, "--scheduler")
+    _check_signature(factory, f"scheduler factory {name}", ("optimizer", "total_steps"))
     return factory
 
 
-def own_scheduler(factory: Callable | None, optimizer, cfg):
-    """The user's scheduler over ``optimizer`` (None without ``--scheduler``)."""
+def own_scheduler(factory: Callable | None, optimizer, cfg, planned: int):
+    """The user's scheduler over ``optimizer`` (None without ``--scheduler``), planned over
+    ``planned`` steps (the run's plan, kept on resume)."""
     if factory is None:
         return None
-    sched = factory(optimizer, planned_steps(cfg))  # the run's plan, kept on resume
+    sched = factory(optimizer, planned)
+    name = cfg.optim.scheduler
     if not isinstance(sched, torch.optim.lr_scheduler.LRScheduler):
-        raise UsageError(f"scheduler factory {cfg.scheduler} returned {type(sched).__name__}, "
+        raise UsageError(f"scheduler factory {name} returned {type(sched).__name__}, "
                          "not a torch.optim.lr_scheduler.LRScheduler")
     if sched.optimizer is not optimizer:
-        raise UsageError(f"scheduler factory {cfg.scheduler} built its scheduler on another "
+        raise UsageError(f"scheduler factory {name} built its scheduler on another "
                          "optimizer: build it on the one it is given")
     return sched
 
@@ -203,15 +206,16 @@ class FactoryOptimizer:
         self.placeholder = None
 
 
-def build_with_optimizer(task, cfg, device):
+def build_with_optimizer(task, cfg, device, planned: int):
     """The strategy over ``task.model`` with the run's optimizer, and the user's
-    scheduler (None: the built-in ``--warmup``/``--schedule``, made by the caller)."""
+    scheduler over ``planned`` steps (None: the built-in ``--warmup``/``--schedule``,
+    made by the caller)."""
     module = task.model.to(device)  # parameters named before wrapping (zero3 replaces them)
-    opt = FactoryOptimizer(task.optimizer_factory, cfg.optimizer_name, cfg.lr, module, cfg,
-                           sharded=cfg.strategy in FIXED_BUCKETS)
-    strategy = build_strategy(module, cfg.strategy, cfg.precision, opt,
-                              bucket_cap_mb=cfg.bucket_cap_mb, sync=cfg.sync_options(),
-                              find_unused_parameters=cfg.find_unused_parameters,
+    opt = FactoryOptimizer(task.optimizer_factory, cfg.optim.optimizer_name, cfg.optim.lr,
+                           module, cfg, sharded=cfg.sync.strategy in FIXED_BUCKETS)
+    strategy = build_strategy(module, cfg.sync.strategy, cfg.sync.precision, opt,
+                              bucket_cap_mb=cfg.sync.bucket_cap_mb, sync=cfg.sync.options,
+                              find_unused_parameters=cfg.sync.find_unused_parameters,
                               param_groups=opt.named_groups)
     opt.finish(strategy)
-    return strategy, own_scheduler(task.scheduler_factory, strategy.optimizer, cfg)
+    return strategy, own_scheduler(task.scheduler_factory, strategy.optimizer, cfg, planned)

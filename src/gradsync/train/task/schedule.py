@@ -23,56 +23,57 @@ COSINE_FLOOR = 0.1  # cosine decays to this fraction of --lr
 
 
 def planned_steps(cfg) -> int:
-    """The number of steps the schedule is planned over (``--schedule-steps``, else ``--steps``).
+    """The steps a fresh run plans its schedule over (``--schedule-steps``, else ``--steps``).
 
-    On resume the session first sets ``cfg.schedule_steps`` to the checkpoint's plan,
-    so this is the run's plan, not the current ``--steps``. A ``--scheduler`` factory
-    is given this as its ``total_steps``.
+    A continued run keeps the plan its checkpoint records instead
+    (``config.plan.RunPlan.schedule_steps``, which the session's schedule and a
+    ``--scheduler`` factory's ``total_steps`` are given).
     """
-    return cfg.schedule_steps or cfg.steps
+    return cfg.optim.schedule_steps or cfg.run.steps
 
 
-def lr_factor(step: int, cfg) -> float:
+def lr_factor(step: int, cfg, planned: int | None = None) -> float:
     """Linear warm-up, then cosine decay to 10% of the peak (or the peak, constant),
-    over :func:`planned_steps`; past the plan, the final factor."""
-    if step < cfg.warmup:
-        return (step + 1) / cfg.warmup
-    if cfg.schedule == "constant":
+    over ``planned`` steps (default: :func:`planned_steps`, a fresh run's plan); past
+    the plan, the final factor. ``cfg``: a resolved ``RunConfig``."""
+    if step < cfg.optim.warmup:
+        return (step + 1) / cfg.optim.warmup
+    if cfg.optim.schedule == "constant":
         return 1.0
-    span = max(1, planned_steps(cfg) - cfg.warmup)
-    progress = min(1.0, (step - cfg.warmup) / span)
+    span = max(1, (planned or planned_steps(cfg)) - cfg.optim.warmup)
+    progress = min(1.0, (step - cfg.optim.warmup) / span)
     return COSINE_FLOOR + (1 - COSINE_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def describe(cfg, planned: int) -> str:
     """The schedule in words, e.g. "warm-up 20, cosine to 3e-04 over 300 steps"."""
-    if cfg.scheduler:
-        return f"--scheduler {cfg.scheduler} over {planned} steps"
-    shape = ("constant" if cfg.schedule == "constant"
-             else f"cosine to {COSINE_FLOOR * cfg.lr:.2g}")
-    warm = f"warm-up {cfg.warmup}, " if cfg.warmup else ""
+    if cfg.optim.scheduler:
+        return f"--scheduler {cfg.optim.scheduler} over {planned} steps"
+    shape = ("constant" if cfg.optim.schedule == "constant"
+             else f"cosine to {COSINE_FLOOR * cfg.optim.lr:.2g}")
+    warm = f"warm-up {cfg.optim.warmup}, " if cfg.optim.warmup else ""
     return f"{warm}{shape} over {planned} steps"
 
 
 def _final_rate(cfg) -> str:
-    if cfg.scheduler:
+    if cfg.optim.scheduler:
         return "the rate its --scheduler gives past its total_steps"
-    factor = 1.0 if cfg.schedule == "constant" else COSINE_FLOOR
-    return f"its final rate, {factor * cfg.lr:.2g}"
+    factor = 1.0 if cfg.optim.schedule == "constant" else COSINE_FLOOR
+    return f"its final rate, {factor * cfg.optim.lr:.2g}"
 
 
 def past_plan_note(cfg, planned: int) -> str | None:
     """What a run continued beyond its planned schedule does, or None if it stays within."""
-    if cfg.steps <= planned:
+    if cfg.run.steps <= planned:
         return None
     return (f"the learning-rate schedule keeps its plan ({describe(cfg, planned)}): steps "
-            f"{planned + 1}-{cfg.steps} train at {_final_rate(cfg)}; to plan it over "
-            f"{cfg.steps} steps instead, add --override schedule-steps")
+            f"{planned + 1}-{cfg.run.steps} train at {_final_rate(cfg)}; to plan it over "
+            f"{cfg.run.steps} steps instead, add --override schedule-steps")
 
 
 def finished_line(cfg, step: int, planned: int) -> str:
     """``gradsync train``'s line for a run directory whose run is already finished."""
-    return (f"gradsync train: {cfg.out} already finished (step {step} of {cfg.steps}); "
+    return (f"gradsync train: {cfg.run.out} already finished (step {step} of {cfg.run.steps}); "
             f"nothing to do. A larger --steps continues it: its learning-rate schedule keeps "
             f"its plan ({describe(cfg, planned)}), so the extra steps train at "
             f"{_final_rate(cfg)} (--override schedule-steps plans it over the new --steps "

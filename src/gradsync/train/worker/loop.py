@@ -19,7 +19,7 @@ import time
 from ...ft.quorum_step import announce
 from ...observe import host_reads
 from ..checkpoint.state import save
-from ..config.train_config import TrainConfig
+from ..config.resolve import RunConfig
 from ..records.callbacks import Callbacks
 from ..records.summary import finish
 from ..step.train_step import run_step
@@ -32,12 +32,13 @@ from .setup import setup
 def _between_steps(sess: Session, step: int) -> bool:
     """Plan, drift, checkpoint after step ``step``; True: stop here (a clean preemption)."""
     cfg = sess.cfg
-    if step in (sess.start_step + 1, cfg.steps) or (sess.inst.window and
+    if step in (sess.start_step + 1, cfg.run.steps) or (sess.inst.window and
                                                     step == sess.inst.window[1]):
         sess.inst.write_plan(sess.strategy)
     sess.inst.maybe_check_drift(step, sess.strategy)  # it knows where replicas must agree
     stop = sess.faults.stop_after(step)
-    if step == cfg.steps or stop or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+    every = cfg.run.checkpoint_every
+    if step == cfg.run.steps or stop or (every and step % every == 0):
         save(sess, step)
         sess.last_checkpoint = step
     return stop
@@ -50,10 +51,10 @@ def train_session(sess: Session, callbacks=None) -> dict | None:
     sess.loop_started = time.perf_counter()
     with sess.display if sess.display else contextlib.nullcontext():
         step = sess.start_step + 1
-        while step <= cfg.steps:
+        while step <= cfg.run.steps:
             if sess.ft:  # this step's quorum; a group that was behind heals and jumps ahead
                 step = sess.ft.begin().step
-                if step > cfg.steps:
+                if step > cfg.run.steps:
                     break
             if host_reads.enabled():  # device values the step reads (a test holds it)
                 with host_reads.HostReads() as reads:
@@ -79,18 +80,19 @@ def train_session(sess: Session, callbacks=None) -> dict | None:
     return finish(sess)
 
 
-def run_worker(cfg_dict: dict, model_fn=None, data_fn=None, faults: FaultInjector | None = None,
+def run_worker(cfg: RunConfig, model_fn=None, data_fn=None, faults: FaultInjector | None = None,
                prepared: bool = False, factories: dict | None = None,
                callbacks: list | None = None) -> dict | None:
     """Train on this rank; rank 0 returns the run summary (a dict), the others ``None``.
 
+    ``cfg``: the run's config, resolved once by whoever started the worker (the object
+    itself, pickled to a launched worker; never parsed again).
     ``model_fn``/``data_fn`` override ``--model``/``--data`` (see ``train/task/build.py`` for
     their contracts). ``prepared``: the launching process checked the run directory,
     verified the checkpoint and holds the lock (see ``train/launcher/preflight.py``). ``factories``:
     ``--optimizer``/``--scheduler`` names given from Python as objects
     (``task/loader.py``); ``callbacks``: run on rank 0 (``records/callbacks.py``).
     """
-    cfg = TrainConfig(**cfg_dict)
     given(factories or {})
     previous = signal.getsignal(signal.SIGTERM)  # setup makes SIGTERM unwind like Ctrl-C
     try:

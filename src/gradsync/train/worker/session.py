@@ -17,8 +17,8 @@ from ...data.sampler import StepSampler
 from ...engine.strategy.base import Strategy
 from ...rundir import MetricsWriter
 from ..checkpoint.guard import RunLock
-from ..checkpoint.state import ResumePlan
-from ..config.train_config import TrainConfig
+from ..config.plan import RunPlan
+from ..config.resolve import RunConfig
 from ..records.instrument import Instruments
 from ..records.progress import RunDisplay
 from ..step.straggler import Slowdown
@@ -30,19 +30,18 @@ from .faults import FaultInjector
 class Session:
     """Everything one worker holds for a run (built by :func:`setup`)."""
 
-    cfg: TrainConfig
+    cfg: RunConfig  # the flags, resolved once (config/resolve.py)
+    plan: RunPlan  # this run on this world: accumulation, fresh or resumed (config/plan.py)
     rank: int
     world: int
     device: torch.device
     backend: str
-    accum: int
     task: Task
     strategy: Strategy
     sampler: StepSampler | PartedStepSampler  # --data-parts P > 1: parted (non-IID)
     sched: torch.optim.lr_scheduler.LRScheduler
     faults: FaultInjector
     inst: Instruments
-    plan: ResumePlan
     ckpt_path: str
     started: float
     start_step: int = 0
