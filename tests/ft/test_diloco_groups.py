@@ -256,7 +256,7 @@ def test_a_sync_that_does_not_commit_is_summed_again_without_the_lost_group(one_
     (sync,) = groups.syncs
     assert (sync["step"], sync["attempts"], sync["quorum"], sync["weights"]) == \
         (3, 2, [0], [4.0, 0.0])
-    assert groups.deal == (1, 0, [0])  # the next round is dealt over the redo's quorum
+    assert groups.deal_over == (1, 0, [0])  # the next round is dealt over the redo's quorum
     assert float((_flat(model) - (start - mine)).abs().max()) <= 1e-12  # one outer step
 
 

@@ -53,11 +53,7 @@ class QuorumSums:
 
 def shard_owner(strategy):
     """What holds this rank's gradient shards (a ZeroOptimizer, a zero3 model), or None."""
-    target = strategy._clip_target()
-    if hasattr(target, "grad_shards"):
-        return target
-    reduction = getattr(target, "_reduction", None)
-    return reduction if hasattr(reduction, "grad_shards") else None
+    return strategy.shard_owner()
 
 
 def owned_gradients(strategy) -> tuple[list[torch.Tensor], bool]:

@@ -45,73 +45,79 @@ from __future__ import annotations
 import copy
 import time
 
-from .. import dist as gdist
+import torch.distributed as dist
+
 from ..data.split import deal
-from ..engine.strategy.builders import outer_sgd
-from ..engine.strategy.inexact import HostModel, LocalUpdateStrategy
+from .coordinator import QuorumCoordinator, join, replica_group
 from .outer_sync import GroupDiLoCo, GroupStreamingDiLoCo
-from .replica import ReplicaGroup, StepQuorum, lighthouse_address
+from .replica import ReplicaGroup, StepQuorum
 from .shares import even_counts, micro_split
 
 
-def regroup(sess) -> LocalUpdateStrategy:
-    """The session's ``--sync diloco|streaming-diloco`` strategy (a worker per rank) as one
-    worker per group: exact ddp over the group's ranks, the outer step through the quorum.
-    The module, inner optimizer and schedule are the session's own, and so is any
-    state a resumed checkpoint loaded into them."""
-    old, cfg = sess.strategy, sess.cfg
-    module = old.model.module
-    cap = 25.0 if cfg.sync.bucket_cap_mb == "auto" else float(cfg.sync.bucket_cap_mb)
-    model = HostModel(module, None, cap)  # the group's world: exact inside the group
-    opt = (module, old.optimizer, outer_sgd(cfg.sync.outer_lr, cfg.sync.outer_momentum))
-    if cfg.sync.method == "streaming-diloco":  # no thread: its comm group is never used
-        outer = GroupStreamingDiLoCo(*opt, sync_every=cfg.sync.every, fragments=cfg.sync.fragments,
-                                     delay=cfg.sync.delay, alpha=cfg.sync.alpha,
-                                     comm_group=old.diloco.comm_group)
-    else:
-        outer = GroupDiLoCo(*opt, sync_every=cfg.sync.every)
-    outer.load_state_dict(old.diloco.state_dict())  # a resumed run's global copy, items
-    new = LocalUpdateStrategy(old.name, old.precision, model, old.optimizer, outer)
-    new.collectives = getattr(old, "collectives", "native")
-    return new
+def group_outer(module, inner, outer_optimizer, sync):
+    """The DiLoCo of a worker that is a whole replica group (``outer_sync=`` of the engine's
+    ``build_strategy``): its syncs are :class:`LocalGroups`', through the quorum."""
+    if sync.method == "streaming-diloco":  # no thread: its comm group is never used
+        return GroupStreamingDiLoCo(module, inner, outer_optimizer, sync_every=sync.every,
+                                    fragments=sync.fragments, delay=sync.delay,
+                                    alpha=sync.alpha, comm_group=dist.group.WORLD)
+    return GroupDiLoCo(module, inner, outer_optimizer, sync_every=sync.every)
 
 
-class LocalGroups:
-    """What the loop holds as ``sess.ft`` for local updates: the per-step surface of a
-    :class:`ReplicaGroup` (``begin``, ``current``, ``commit``) without a quorum per
-    step, and :meth:`after_step`, which takes the sync through the quorum."""
+class LocalGroups(QuorumCoordinator):
+    """The step coordinator of ``--sync diloco|streaming-diloco`` across replica groups: an
+    inner step commits alone, dealt over the last sync's quorum; :meth:`end_step` takes
+    the sync through the quorum when it is due (the module docstring says how)."""
 
-    local = True
+    # one DiLoCo worker per group: exact ddp over the group's ranks, the outer sync here
+    strategy_options = {"outer_sync": group_outer}
 
-    def __init__(self, sess, replica: ReplicaGroup):
-        self.sess, self.replica = sess, replica
+    def __init__(self, sess, replica: ReplicaGroup | None = None):
+        super().__init__(sess)
+        self.replica = replica
         self.position = sess.start_step  # inner steps this group has completed
         self.joined = False
-        self.current: StepQuorum | None = None
-        self.deal = (1, 0, [sess.cfg.ft.group])  # (quorum size, position, members)
+        self.deal_over = (1, 0, [sess.cfg.ft.group])  # (quorum size, position, members)
         self.healed = False
-        self.why_not = ""
-        self.last_members: list[int] | None = None
         self.syncs: list[dict] = []  # this group's committed syncs (metrics events)
 
-    @property
-    def manager(self):
-        return self.replica.manager
+    def start(self) -> None:
+        """Join the replica groups as one DiLoCo worker per group (quorums at syncs only)."""
+        self.position = self.sess.start_step
+        self.replica = replica_group(self.sess, self.state, self.load)
+        join(self.replica, self.sess)
 
     # ------------------------------------------------------------------ per step
-    def begin(self) -> StepQuorum:
+    def begin(self, step: int) -> int:
         """The next step to take; the first call joins the groups (a quorum, healing)."""
         if not self.joined:
             self.joined = True
             self._sync(self.position, contribute=False)
-        size, position, members = self.deal
+        size, position, members = self.deal_over
         self.current = StepQuorum(step=self.position + 1, size=size, position=position,
                                   healed=self.healed, members=list(members))
         self.healed = False
-        return self.current
+        return self.current.step
+
+    def deal(self, block):
+        """This rank's samples of ``block``: dealt over the last sync's groups, then over the
+        group's ranks; cut into micro-batches of at most ``--micro-batch``."""
+        q, sess = self.current, self.sess
+        group = deal(block, even_counts(len(block), q.size))[q.position]
+        mine = deal(group, even_counts(len(group), sess.world))[sess.rank]
+        return mine, micro_split(mine, len(block), q.size * sess.world,
+                                 sess.cfg.batch.micro_batch)
+
+    def reduce(self, items, loss_sum) -> None:
+        """An inner step's gradient stays inside the group."""
 
     def commit(self) -> bool:
         return True  # an inner step commits alone; a sync commits through the quorum
+
+    def end_step(self, step: int, committed: bool) -> None:
+        self.announce(committed)
+        if committed:
+            self.after_step(step)
 
     def after_step(self, step: int) -> None:
         """Step ``step`` is done; sum the outer sync over the quorum when it is due."""
@@ -121,7 +127,6 @@ class LocalGroups:
             if last:
                 outer.settle()
             self._sync(step + 1, contribute=True)
-
     # ------------------------------------------------------------------ the sync
     def _sync(self, key: int, contribute: bool) -> None:
         """Quorum, sum and commit, again until a sum commits (module docstring)."""
@@ -151,7 +156,7 @@ class LocalGroups:
                                  f"commit ({self.why_not}); summing it again with the next "
                                  "quorum")
         outer.apply(sums, last)
-        self.deal = (q.size, q.position, sums.members)
+        self.deal_over = (q.size, q.position, sums.members)
         event = {"event": "sync", "step": self.position, "quorum": sums.members,
                  "weights": sums.weights, "attempts": attempts,
                  "fragments": frags if isinstance(outer, GroupStreamingDiLoCo) else None,
@@ -184,30 +189,6 @@ class LocalGroups:
         self.position = state["position"]
         self.healed = True
 
-    def shutdown(self) -> None:
-        self.replica.shutdown()
-
-
-def attach_local(sess, barrier: str | None) -> LocalGroups:
-    """Join the replica groups as one DiLoCo worker per group (quorums at syncs only)."""
-    cfg = sess.cfg
-    sess.strategy = regroup(sess)
-    holder: list[LocalGroups] = []
-    replica = ReplicaGroup(cfg.ft.group, cfg.ft.groups, lighthouse_address(cfg.ft.lighthouse),
-                           sess.rank, sess.world, lambda: holder[0].state(),
-                           lambda s: holder[0].load(s), sess.start_step,
-                           timeout_s=cfg.ft.timeout, quorum_timeout_s=cfg.run.timeout)
-    holder.append(LocalGroups(sess, replica))
-    if barrier and sess.start_step == 0 and not gdist.restart_count():
-        replica.wait_for_all(barrier, cfg.run.timeout)  # a fresh job: all in the first quorum
-    return holder[0]
-
-
-def share(sess, block: list[int]) -> tuple[list[int], list[list[int]]]:
-    """This rank's samples of ``block``: dealt over the last sync's groups, then over the
-    group's ranks; cut into micro-batches of at most ``--micro-batch``."""
-    q = sess.ft.current
-    group = deal(block, even_counts(len(block), q.size))[q.position]
-    mine = deal(group, even_counts(len(group), sess.world))[sess.rank]
-    return mine, micro_split(mine, len(block), q.size * sess.world, sess.cfg.batch.micro_batch)
-
+    def close(self) -> None:
+        if self.replica is not None:
+            self.replica.shutdown()

@@ -38,7 +38,7 @@ from torch.distributed import ReduceOp
 
 from ..engine.local.diloco import DiLoCo
 from ..engine.local.exchange import as_items
-from ..engine.local.streaming import StreamingDiLoCo, _InFlight
+from ..engine.local.streaming import StreamingDiLoCo
 from ..engine.transport import comm
 from .shares import even_counts
 
@@ -193,8 +193,8 @@ class GroupStreamingDiLoCo(GroupDiLoCo, StreamingDiLoCo):
     fragment and takes the global copy. What differs is when the sum happens: the
     plain run reduces on a thread while the next tau steps go on; here the quorum
     sums synchronously at the sync step (it has to: the quorum, a heal or a sum that
-    does not commit are decided there) and the result waits, as a finished
-    ``_InFlight``, until its step. The inner steps in between do not read it, so
+    does not commit are decided there) and the result waits, held
+    (:meth:`StreamingDiLoCo.hold`), until its step. The inner steps in between do not read it, so
     the trajectory is the plain run's (tested bitwise); only the overlap is lost.
     Pending results are in ``state_dict`` (StreamingDiLoCo's own), so a checkpoint
     and a healing group get them.
@@ -231,15 +231,13 @@ class GroupStreamingDiLoCo(GroupDiLoCo, StreamingDiLoCo):
                 f.apply(part, total, self.outer_optimizer, alpha=0.0)
             else:
                 sent = sums.sent_bytes if k == 0 else 0  # the sync's bytes, counted once
-                jobs.append(_InFlight(i, self._steps, self._steps + self.delay, None,
-                                      (part.clone(), total, sent, sent)))
+                jobs.append(self.hold(i, (part.clone(), total, sent, sent)))
         if self.sync_buffers and 0 in sums.fragments:
             total = sums.total(sums.fragments.index(0))
             if total > 0:
                 self._set_buffers(sums.buffers, total)
         if last and sums.fragments:
             self._count(sums.sent_bytes, sums.sent_bytes)
-        self._inflight += jobs
         for job in jobs if self.delay == 0 else []:
             self._finish(job, self.alpha)
 

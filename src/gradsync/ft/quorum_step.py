@@ -1,133 +1,111 @@
-"""`gradsync train` across replica groups (``--ft-group``): the loop's side of the quorum.
+"""`gradsync train` across replica groups (``--ft-group``): a quorum every step, exact sums.
 
-The loop asks three things of this file, and knows nothing else of torchft:
+:class:`QuorumSteps` is the step coordinator of ``train/step/coordinator.py`` for
+``--sync exact`` across replica groups; :func:`coordinator_for` is where worker setup
+gets the one for its run (with ``--sync diloco``, ``local_groups.LocalGroups``).
+What it does with each step, and knows of torchft:
 
-* :func:`attach` builds this rank's :class:`~gradsync.ft.replica.ReplicaGroup`,
-  with what a healing peer receives: this rank's part of model and optimizer
-  (``ft/transfer.py``), the schedule, the sampler's global position and the
-  skipped steps;
-* :func:`share` deals the step's global batch over the quorum's ranks and cuts
-  this rank's part into micro-batches of at most ``--micro-batch``;
-* :func:`reduce` replaces the group's gradient by the quorum's exact mean
-  (``ft/cross_reduce.py``) and returns the quorum's item count and loss sum.
+* :meth:`QuorumSteps.begin` asks the lighthouse for the step's quorum
+  (:meth:`ReplicaGroup.begin`); a group that was behind heals from a live peer and
+  jumps ahead: what it receives is this rank's part of model and optimizer
+  (``ft/transfer.py``), the schedule, the sampler's global position and the skipped
+  steps;
+* :meth:`QuorumSteps.deal` deals the step's global batch over the quorum's ranks and
+  cuts this rank's part into micro-batches of at most ``--micro-batch``
+  (``ft/shares.py``);
+* :meth:`QuorumSteps.reduce` replaces the group's gradient by the quorum's exact mean
+  (``ft/cross_reduce.py``), whose item count and loss sum are the step's totals;
+* :meth:`QuorumSteps.commit` asks torchft whether every participant got through; if
+  not, the step restores the sampler and the next quorum takes the same step on the
+  same samples.
 
-The step itself (``train/step/train_step.py``) then commits or redoes, and the loop
-(``train/worker/loop.py``) asks :meth:`ReplicaGroup.begin` for each step's quorum.
+The step's record, the lines said when the quorum changes and summary.json's figures
+are every quorum coordinator's (``coordinator.py``).
 """
 
 from __future__ import annotations
 
-import os
+import math
 
-from .. import dist as gdist
+from .coordinator import QuorumCoordinator, join, replica_group
 from .cross_reduce import QuorumSums, cross_reduce
-from .replica import ReplicaGroup, lighthouse_address
+from .local_groups import LocalGroups
+from .replica import ReplicaGroup
 from .shares import micro_split, quorum_share
 from .transfer import load_local_state, local_state
 
-BARRIER_ENV = "GRADSYNC_FT_BARRIER"  # set by the one-machine launcher (cli/train_groups.py)
+
+def coordinator_for(cfg) -> type:
+    """The step coordinator of a replica group: a quorum every step (``--sync exact``), or a
+    DiLoCo worker per group, a quorum at each sync (``local_groups.py``)."""
+    return QuorumSteps if cfg.sync.method == "exact" else LocalGroups
 
 
-def attach(sess) -> ReplicaGroup:
-    """Join the replica groups: the lighthouse's quorum decides every step from now on
-    (with ``--sync diloco``: every sync, ``local_groups.py``)."""
-    cfg = sess.cfg
-    if cfg.sync.method != "exact":
-        from .local_groups import attach_local
+class QuorumSteps(QuorumCoordinator):
+    """Every step through the lighthouse's quorum (see the module docstring)."""
 
-        return attach_local(sess, os.environ.get(BARRIER_ENV))
+    strategy_options: dict = {}  # the session's strategy as it is
 
-    def state_fn() -> dict:
-        return {"strategy": local_state(sess.strategy), "sched": sess.sched.state_dict(),
-                "sampler": sess.sampler.state_dict(), "skipped": list(sess.skipped)}
+    def __init__(self, sess):
+        super().__init__(sess)
+        self.replica: ReplicaGroup | None = None
+        self.sums: QuorumSums | None = None
 
-    def load_fn(state: dict) -> None:
-        sess.faults.at_heal(sess.rank, group.manager.current_step() + 1)
-        load_local_state(sess.strategy, state["strategy"])
-        sess.sched.load_state_dict(state["sched"])
-        sess.sampler.load_state_dict(state["sampler"])
-        sess.skipped[:] = state["skipped"]
+    def start(self) -> None:
+        """Join the replica groups: the lighthouse's quorum decides every step from now on."""
+        sess = self.sess
 
-    group = ReplicaGroup(cfg.ft.group, cfg.ft.groups, lighthouse_address(cfg.ft.lighthouse),
-                         sess.rank, sess.world, state_fn, load_fn, sess.start_step,
-                         timeout_s=cfg.ft.timeout, quorum_timeout_s=cfg.run.timeout)
-    barrier = os.environ.get(BARRIER_ENV)
-    if barrier and sess.start_step == 0 and not gdist.restart_count():
-        group.wait_for_all(barrier, cfg.run.timeout)  # a fresh job: every group in the first quorum
-    return group
+        def state_fn() -> dict:
+            return {"strategy": local_state(sess.strategy), "sched": sess.sched.state_dict(),
+                    "sampler": sess.sampler.state_dict(), "skipped": list(sess.skipped)}
 
+        def load_fn(state: dict) -> None:
+            sess.faults.at_heal(sess.rank, self.replica.manager.current_step() + 1)
+            load_local_state(sess.strategy, state["strategy"])
+            sess.sched.load_state_dict(state["sched"])
+            sess.sampler.load_state_dict(state["sampler"])
+            sess.skipped[:] = state["skipped"]
 
-def share(sess, block: list[int]) -> tuple[list[int], list[list[int]]]:
-    """This rank's samples of ``block`` in this step's quorum, and its micro-batches."""
-    if getattr(sess.ft, "local", False):
-        from .local_groups import share as local_share
+        self.replica = replica_group(sess, state_fn, load_fn)
+        join(self.replica, sess)
 
-        return local_share(sess, block)
-    q = sess.ft.current
-    mine = quorum_share(block, q.size, q.position, sess.world, sess.rank)
-    return mine, micro_split(mine, len(block), q.size * sess.world, sess.cfg.batch.micro_batch)
+    def begin(self, step: int) -> int:
+        """This step's quorum; a group that was behind heals and jumps ahead."""
+        self.current = self.replica.begin()
+        return self.current.step
 
+    def deal(self, block):
+        """This rank's samples of ``block`` in this step's quorum, and its micro-batches."""
+        q, world = self.current, self.sess.world
+        mine = quorum_share(block, q.size, q.position, world, self.sess.rank)
+        return mine, micro_split(mine, len(block), q.size * world, self.sess.cfg.batch.micro_batch)
 
-def reduce(sess, items: float, loss_sum: float) -> QuorumSums:
-    """The quorum's exact mean gradient in place of the group's; the quorum's sums.
-    None with ``--sync diloco``: an inner step's gradient stays inside the group."""
-    if getattr(sess.ft, "local", False):
-        return None
-    sums = cross_reduce(sess.ft.manager, sess.strategy, items, loss_sum, sess.rank,
-                        sess.world, sess.cfg.ft.group, sess.cfg.ft.groups)
-    sess.ft.current.members = list(sums.members)
-    sess.ft.current.sent_bytes = sums.sent_bytes
-    return sums
+    def reduce(self, items: float, loss_sum) -> None:
+        """The quorum's exact mean gradient in place of the group's."""
+        sess = self.sess
+        self.sums = sums = cross_reduce(self.replica.manager, sess.strategy, items,
+                                        float(loss_sum), sess.rank, sess.world,
+                                        sess.cfg.ft.group, sess.cfg.ft.groups)
+        self.current.members = list(sums.members)
+        self.current.sent_bytes = sums.sent_bytes
 
+    def totals(self, stats) -> tuple[float, float]:
+        return self.sums.items, self.sums.loss_sum
 
-def record(sess, report: dict) -> dict:
-    """The step's quorum for its metrics line (members, attempts, seconds lost, healed),
-    with the cross-group bytes added to the strategy's own ``sent_bytes``."""
-    q = sess.ft.current
-    return {**report, "sent_bytes": (report.get("sent_bytes") or 0) + q.sent_bytes,
-            "quorum": list(q.members), "attempts": q.attempts, "lost_s": round(q.lost_s, 4),
-            "quorum_s": round(q.quorum_s, 4), "healed": q.healed or None}
+    def problem(self, loss: float, step: int) -> str | None:
+        if math.isfinite(loss):
+            return None
+        return f"non-finite loss ({loss}) at step {step} in another replica group"
 
+    def commit(self) -> bool:
+        """Whether every group got through the step (False: a group failed; redo it)."""
+        ok = self.replica.commit()
+        self.why_not = self.replica.why_not
+        return ok
 
-def announce(sess, q, committed: bool) -> None:
-    """Rank 0's one line when the quorum changes, a step is redone or this group healed."""
-    if not sess.display:
-        return
-    ft = sess.ft
-    if not committed:
-        sess.display.say(f"gradsync train: step {q.step} not committed ({ft.why_not}); taking "
-                         "it again with the next quorum, on the same samples")
-        return
-    if q.healed:
-        sess.display.say(f"gradsync train: healed at step {q.step}: model, optimizer, schedule "
-                         f"and data position received from a live group ({q.quorum_s:.1f} s)")
-    if ft.last_members is not None and q.members != ft.last_members:
-        names = ", ".join(map(str, q.members))
-        sess.display.say(f"gradsync train: from step {q.step} the quorum is group"
-                         f"{'s' * (len(q.members) != 1)} {names} (was "
-                         f"{', '.join(map(str, ft.last_members))})")
-    ft.last_members = list(q.members)
+    def end_step(self, step: int, committed: bool) -> None:
+        self.announce(committed)
 
-
-def ft_figures(sess, rows: list[dict]) -> dict:
-    """summary.json's ``fault_tolerance``: what this group went through, from its metrics
-    (every committed step) and its ReplicaGroup (the attempts that did not commit)."""
-    steps = [r for r in rows if "loss" in r and r.get("quorum") is not None]
-    sizes: dict[str, int] = {}
-    for r in steps:
-        sizes[str(len(r["quorum"]))] = sizes.get(str(len(r["quorum"])), 0) + 1
-    return {"group": sess.cfg.ft.group, "groups": sess.cfg.ft.groups,
-            "redone_steps": sum(1 for r in steps if (r.get("attempts") or 1) > 1),
-            "failed_attempts": sum((r.get("attempts") or 1) - 1 for r in steps),
-            "heals": sum(1 for r in steps if r.get("healed")),
-            "lost_s": round(sum(r.get("lost_s") or 0.0 for r in steps), 3),
-            "quorum_s": round(sum(r.get("quorum_s") or 0.0 for r in steps), 3),
-            "steps_by_quorum_size": sizes}
-
-
-def ft_line(f: dict) -> str:
-    """The closing table's line for ``fault_tolerance``."""
-    sizes = ", ".join(f"{n} on {q}" for q, n in sorted(f["steps_by_quorum_size"].items()))
-    return (f"group {f['group']} of {f['groups']}; steps by quorum size: {sizes or '-'}; "
-            f"{f['redone_steps']} redone, {f['heals']} heal{'s' * (f['heals'] != 1)}, "
-            f"{f['lost_s']:.1f} s lost")
+    def close(self) -> None:
+        if self.replica is not None:
+            self.replica.shutdown()

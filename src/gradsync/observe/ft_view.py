@@ -12,7 +12,8 @@ steps, the section's table and the summary table's row. A run whose steps carry
 no ``quorum`` was not fault-tolerant and gets none of them.
 
 Only observe's own inputs are read here (the closing table's line for the same
-figures, ``ft/quorum_step.ft_line``, lies above observe in the layering).
+figures, ``ft/coordinator.QuorumCoordinator.summary_line``, lies above observe in the
+layering).
 """
 
 from __future__ import annotations

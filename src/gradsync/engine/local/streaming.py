@@ -134,6 +134,16 @@ class StreamingDiLoCo(EagerUpdates, DiLoCo):
                 if self.delay == 0:
                     self._finish(job, self.alpha)
 
+    def hold(self, fragment: int, result) -> _InFlight:
+        """A fragment's sum taken elsewhere, kept aside until this schedule applies it
+        (after step + delay, merged with alpha) as if it had travelled on the thread.
+        ``result``: what the thread's reduction returns (the summed flat pseudo-gradient,
+        its total weight, bytes sent, exact bytes). Replica groups take their sums through
+        a quorum at the sync step (``ft/outer_sync.py``)."""
+        job = _InFlight(fragment, self._steps, self._steps + self.delay, None, result)
+        self._inflight.append(job)
+        return job
+
     def sync_now(self) -> None:
         """Apply what is in flight, then sync every fragment that moved since it was sent,
         with alpha = 0 (a fragment sent at this very step takes the global copy as it is):

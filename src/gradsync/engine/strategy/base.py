@@ -74,6 +74,13 @@ class Strategy:
     def _clip_target(self):
         return self.model
 
+    def shard_owner(self):
+        """What holds this rank's shard of the synchronised gradient (``grad_shards()``, and
+        ``grad_used()``/``set_grad_used()`` where unused parameters are tracked), or None
+        when every rank holds the whole gradient. A sum beyond this process group adds each
+        rank's own shard (replica groups, ``ft/cross_reduce.py``)."""
+        return None
+
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """The global gradient norm (of the synchronised gradient), clipped to ``max_norm``.
 

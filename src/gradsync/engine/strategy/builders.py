@@ -54,15 +54,23 @@ def outer_sgd(lr: float, momentum: float):
 
 
 def build_local(module, precision, optimizer_class, group, sync: SyncOptions,
-                bucket_cap_mb: float = 25.0, **opt_kwargs):
+                bucket_cap_mb: float = 25.0, outer_sync=None, **opt_kwargs):
     """``--sync diloco|streaming-diloco``: a local replica, its inner optimizer, DiLoCo.
 
     With ``--collectives hierarchical`` a worker is a host (torchrun's layout): exact
-    data parallelism inside it, DiLoCo across hosts, pseudo-gradients two-level.
+    data parallelism inside it, DiLoCo across hosts, pseudo-gradients two-level. With
+    ``outer_sync`` the whole process group is one worker (exact inside it) and
+    ``outer_sync(module, inner, outer_optimizer, sync)`` makes its DiLoCo, whose syncs
+    the caller takes (``build_strategy``).
     """
     sync.check_precision(precision)
     check_module_device(module, group, f"--sync {sync.method}")
     sync = sync.resolved(group)
+    if outer_sync is not None:
+        model = HostModel(module, group, float(bucket_cap_mb))
+        inner = optimizer_class(module.parameters(), **opt_kwargs)
+        diloco = outer_sync(module, inner, outer_sgd(sync.outer_lr, sync.outer_momentum), sync)
+        return _chose(LocalUpdateStrategy(sync.method, precision, model, inner, diloco), sync)
     topology = None
     if sync.collectives == "hierarchical":
         if group is not None:
@@ -87,14 +95,17 @@ def build_local(module, precision, optimizer_class, group, sync: SyncOptions,
 
 
 def build_ddp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=None,
-         find_unused_parameters=False, **opt_kwargs):
+         find_unused_parameters=False, outer_sync=None, **opt_kwargs):
     sync = sync or SyncOptions()
     sync.check_precision(precision)
     sync = sync.resolved(group)
     if sync.method != "exact":
         bucket_cap = 25.0 if bucket_cap_mb == "auto" else bucket_cap_mb
         return build_local(module, precision, optimizer_class, group, sync, bucket_cap,
-                           **opt_kwargs)
+                           outer_sync, **opt_kwargs)
+    if outer_sync is not None:
+        raise UsageError("outer_sync is a local-update option: --sync diloco or "
+                         "streaming-diloco")
     mp = parse_precision(precision)
     reduction = None
     if sync.compress != "none":

@@ -55,6 +55,9 @@ class ZeroStrategy(Strategy):
     def _clip_target(self):
         return self.optimizer  # sharded gradients live with the shard owners
 
+    def shard_owner(self):
+        return self.optimizer
+
     def memory_report(self) -> MemoryReport:
         return self.optimizer.memory_report()
 
@@ -71,6 +74,9 @@ class FullyShardedStrategy(Strategy):
 
     def memory_report(self) -> MemoryReport:
         return self.model.memory_report(self.optimizer)
+
+    def shard_owner(self):
+        return self.model
 
     bucket_plan = ()  # gradients are reduced per wrapped unit, not in buckets
     bucket_cap_mb = None

@@ -42,7 +42,8 @@ def register_strategy(name: str, builder: StrategyBuilder, fixed_buckets: bool =
 def build_strategy(module: nn.Module, strategy: str, precision: str, optimizer_class,
                    bucket_cap_mb: float | str = 25.0, wrap=None, group=None,
                    bucket_mb: float | str | None = None, sync: SyncOptions | None = None,
-                   find_unused_parameters: bool = False, **opt_kwargs) -> Strategy:
+                   find_unused_parameters: bool = False, outer_sync=None,
+                   **opt_kwargs) -> Strategy:
     """Wrap ``module`` and build its optimizer; returns a :class:`Strategy`.
 
     strategy: a name in :data:`STRATEGIES` (``ddp`` | ``zero1`` | ``zero2`` | ``zero3``);
@@ -51,7 +52,10 @@ def build_strategy(module: nn.Module, strategy: str, precision: str, optimizer_c
     units; ``sync`` how gradients travel (:class:`SyncOptions`: exact by default;
     compression, local updates, hierarchical collectives); ``find_unused_parameters``
     as DataParallel's (passed to a builder only when set, so a registered builder
-    without it keeps working); ``opt_kwargs`` go to ``optimizer_class``.
+    without it keeps working); ``outer_sync`` (local updates only, passed likewise): a
+    factory ``(module, inner_optimizer, outer_optimizer, sync) -> DiLoCo`` that makes
+    this process group one DiLoCo worker whose syncs the caller takes (replica groups,
+    ``ft/local_groups.py``); ``opt_kwargs`` go to ``optimizer_class``.
     """
     if strategy not in STRATEGIES:
         raise UsageError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -62,5 +66,7 @@ def build_strategy(module: nn.Module, strategy: str, precision: str, optimizer_c
         opt_kwargs["sync"] = sync
     if find_unused_parameters:
         opt_kwargs["find_unused_parameters"] = True
+    if outer_sync is not None:
+        opt_kwargs["outer_sync"] = outer_sync
     return STRATEGIES[strategy](module, precision, optimizer_class, bucket_cap_mb, wrap,
                                 group, **opt_kwargs)

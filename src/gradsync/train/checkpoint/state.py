@@ -150,7 +150,7 @@ def save(sess, step: int) -> None:
     atomic_save({"format": FORMAT, "version": VERSION, "step": step, "steps": cfg.run.steps,
                  "model": module_state, "optimizer": strategy.optimizer_state_dict(),
                  "optimizer_shards": shard_dir, "scheduler": sess.sched.state_dict(),
-                 "sampler": sess.sampler.state_dict(), "balance": sess.balancer.state_dict(),
+                 "sampler": sess.sampler.state_dict(), "balance": sess.coordinator.state_dict(),
                  "world_size": sess.world,
                  "world_sizes": list(sess.world_sizes),
                  "config": record,
@@ -213,7 +213,7 @@ def load(sess) -> int:
         if state.get("rng") is not None:
             torch.set_rng_state(state["rng"])
         set_device_rng_state(sess.device, state.get("device_rng"))
-    sess.balancer.load_state_dict(state.get("balance"))  # the split in force continues
+    sess.coordinator.load_state_dict(state.get("balance"))  # the split in force continues
     return int(state["step"])
 
 

@@ -12,7 +12,6 @@ import os
 import time
 
 from ...engine.strategy.inexact import LocalUpdateStrategy
-from ...ft.quorum_step import ft_figures, ft_line
 from ...observe.traffic import run_traffic, traffic_line
 from ...rundir import METRICS, SUMMARY, Summary, read_metrics, sync_description, write_json
 from ..worker.session import Session
@@ -71,8 +70,7 @@ def build_summary(sess: Session) -> Summary:
     summary.gradient_bytes = gradient_bytes(strategy)
     summary.collectives = getattr(strategy, "collectives", None)
     rows, _ = read_metrics(os.path.join(cfg.run.out, METRICS))  # every attempt's steps
-    if sess.ft:
-        summary.fault_tolerance = ft_figures(sess, rows)
+    summary.fault_tolerance = sess.coordinator.summary(rows)  # across replica groups
     traffic = run_traffic(rows, summary.gradient_bytes)
     if traffic is not None:
         summary.sent_bytes, summary.exact_bytes = traffic.sent, traffic.exact
@@ -118,7 +116,7 @@ def finish(sess: Session) -> dict | None:
         ("checkpoint", sess.ckpt_path),
     ]
     if s.fault_tolerance:
-        rows.insert(-2, ("fault tolerance", ft_line(s.fault_tolerance)))
+        rows.insert(-2, ("fault tolerance", sess.coordinator.summary_line(s.fault_tolerance)))
     if s.resumed_from:
         rows.insert(-1, ("resumed from step", str(s.resumed_from)))
     if s.skipped_steps:

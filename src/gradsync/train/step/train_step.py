@@ -1,9 +1,9 @@
 """One optimizer step of `gradsync train`, and the held-out evaluation.
 
-A step draws its global batch from the :class:`StepSampler`; the
-:class:`~gradsync.data.balance.ShareBalancer` deals it over the ranks (evenly,
-``block[r::K]``, unless ``--balance`` measured a rank slower and handed it fewer
-samples) and this rank cuts its part into ``accumulation`` micro-batches; runs all but
+A step draws its global batch from the :class:`StepSampler`; the session's step
+coordinator (``coordinator.py``) deals it over the ranks (evenly, ``block[r::K]``,
+unless ``--balance`` measured a rank slower and handed it fewer samples; across replica
+groups, over the quorum's ranks) and cuts this rank's part into micro-batches; runs all but
 the last micro-batch under ``no_sync()`` and calls ``backward(loss,
 num_items=n)``, so the gradient is the exact mean over every item of the global
 batch. Then, before the optimizer may touch anything: the global gradient norm
@@ -26,7 +26,6 @@ import torch
 
 from ...engine.transport import comm, host, tracing
 from ...errors import GradsyncError
-from ...ft import quorum_step
 from ...rundir import StepRecord
 from ..task.eval_metrics import metric_sums, metric_values
 from ..worker.session import Session
@@ -72,23 +71,19 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
 
     ``reads``: a running ``observe.host_reads.HostReads`` whose count the line records.
 
-    Across replica groups (``sess.ft``, ``ft/quorum_step.py``) the step's samples are dealt
-    over the quorum and the gradient summed over it; None: the quorum did not
-    commit (a group failed), nothing was updated and the sampler is back where it
-    was, so the next quorum takes the same step on the same samples.
+    Who takes part is the session's coordinator (``coordinator.py``): it deals the
+    block, sums beyond this group where there is more (replica groups), and says whether
+    the step commits. None: it did not (a group failed), nothing was updated and the
+    sampler is back where it was, so the step is taken again on the same samples.
     """
-    cfg, strategy, task = sess.cfg, sess.strategy, sess.task
+    cfg, strategy, task, steps = sess.cfg, sess.strategy, sess.task, sess.coordinator
     model = strategy.model
     reads0 = host.reads  # the engine's own reads of device values (its one door)
     sess.inst.begin_step(step)
     t0 = time.perf_counter()
-    before = sess.sampler.state_dict() if sess.ft else None
+    before = sess.sampler.state_dict()  # a step that does not commit takes them again
     block = sess.sampler.next_block()
-    if sess.ft:
-        share, micro = quorum_step.share(sess, block)
-    else:
-        share = sess.balancer.split(block)[sess.rank]
-        micro = sess.balancer.micro_batches(share)
+    share, micro = steps.deal(block)
     # the loss sum stays on the device: read once per step, with the other figures
     loss_sum = torch.zeros((), dtype=torch.float64, device=sess.device)
     items = 0
@@ -110,18 +105,16 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
         sess.slowdown.after_micro_batch(step)
     busy = sess.inst.busy_s(t0)
     with tracing.span("optimizer"):
-        sums = quorum_step.reduce(sess, items, float(loss_sum)) if sess.ft else None
+        steps.reduce(items, loss_sum)  # across groups: the quorum's exact mean gradient
         norm_t = strategy.clip_grad_norm_(cfg.optim.clip)
         stats = sess.inst.gather_stats(loss_sum, float(items), norm_t, len(share), busy)
         rows = stats.tolist()  # the table is on the host: one conversion for every figure
         norm = rows[sess.rank][2]
-        total_items = sums.items if sums else float(stats[:, 1].sum())
-        global_loss = (sums.loss_sum if sums else float(stats[:, 0].sum())) / max(total_items, 1)
+        total_items, loss_total = steps.totals(stats)
+        global_loss = loss_total / max(total_items, 1)
         lr = strategy.optimizer.param_groups[0]["lr"]
-        problem = _nonfinite(rows, step)
-        if sums and problem is None and not math.isfinite(global_loss):
-            problem = f"non-finite loss ({global_loss}) at step {step} in another replica group"
-        if sess.ft and not sess.ft.commit():  # a group failed: redo, same samples, next quorum
+        problem = _nonfinite(rows, step) or steps.problem(global_loss, step)
+        if not steps.commit():  # a group failed: redo, same samples, next quorum
             sess.sampler.load_state_dict(before)
             strategy.zero_grad()
             return None
@@ -139,17 +132,15 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
     step_s = time.perf_counter() - t0
     sess.step_times.append(step_s)
     figures = sess.inst.step_figures(rows, step_s)  # the step's own, before any evaluation
-    saved = balance(sess, step, figures["share_by_rank"], figures["busy_s_by_rank"])
+    saved = steps.observe(step, figures["share_by_rank"], figures["busy_s_by_rank"])
     sess.inst.end_step(step)
     stop = problem is not None and cfg.optim.on_nonfinite == "stop"
     eval_loss, eval_metrics = (None, None) if stop else maybe_evaluate(sess, step)
     sess.last_loss = global_loss
     sess.items_per_step = int(total_items)
     rate = total_items / step_s
-    world = sess.world * sess.ft.current.size if sess.ft else sess.world
-    report = strategy.step_report()
     rec = StepRecord(step=step, loss=global_loss, lr=lr, items=int(total_items),
-                     world_size=world, grad_norm=norm if problem is None else None,
+                     world_size=steps.world_size, grad_norm=norm if problem is None else None,
                      skipped=problem is not None, eval_loss=eval_loss,
                      eval_metrics=eval_metrics,
                      time_s=time.perf_counter() - sess.loop_started, unix_time=time.time(),
@@ -158,7 +149,7 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
                      balance_saved_s=saved,
                      host_reads=reads.count + host.reads - reads0 if reads else None,
                      **figures,
-                     **(quorum_step.record(sess, report) if sess.ft else report))
+                     **steps.record(strategy.step_report()))
     if sess.baseline_rate:
         rec.scaling_efficiency = rec.samples_per_s / (sess.world * sess.baseline_rate)
     if sess.rank == 0:
@@ -175,21 +166,6 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
                              "--lr; else look for NaN/inf in the data or the model (or pass "
                              "--on-nonfinite skip-step), then run the same command again")
     return rec
-
-
-def balance(sess: Session, step: int, shares: list[int], busy: list[float]) -> float | None:
-    """Feed the step's measured shares and busy times to the balancer (every rank alike).
-
-    Returns the seconds the split saved against the even one (None when not
-    balancing); a changed split, applied from the next step, is announced.
-    """
-    if sess.ft or not sess.balancer.enabled:
-        return None
-    if sess.balancer.observe(step, shares, busy) and sess.display:
-        rates = ", ".join(f"{r:.0f}" for r in sess.balancer.last_rates)
-        sess.display.say(f"gradsync train: from step {step + 1} the ranks take "
-                         f"{sess.balancer.counts} samples (measured {rates} samples/s)")
-    return sess.balancer.saved_s
 
 
 def maybe_evaluate(sess: Session, step: int) -> tuple[float | None, dict | None]:

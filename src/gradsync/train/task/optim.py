@@ -206,16 +206,17 @@ class FactoryOptimizer:
         self.placeholder = None
 
 
-def build_with_optimizer(task, cfg, device, planned: int):
+def build_with_optimizer(task, cfg, device, planned: int, **strategy_options):
     """The strategy over ``task.model`` with the run's optimizer, and the user's
     scheduler over ``planned`` steps (None: the built-in ``--warmup``/``--schedule``,
-    made by the caller)."""
+    made by the caller). ``strategy_options``: what the step coordinator asks of the
+    strategy (``build_strategy``'s ``outer_sync`` for a DiLoCo worker per replica group)."""
     module = task.model.to(device)  # parameters named before wrapping (zero3 replaces them)
     opt = FactoryOptimizer(task.optimizer_factory, cfg.optim.optimizer_name, cfg.optim.lr,
                            module, cfg, sharded=cfg.sync.strategy in FIXED_BUCKETS)
     strategy = build_strategy(module, cfg.sync.strategy, cfg.sync.precision, opt,
                               bucket_cap_mb=cfg.sync.bucket_cap_mb, sync=cfg.sync.options,
                               find_unused_parameters=cfg.sync.find_unused_parameters,
-                              param_groups=opt.named_groups)
+                              param_groups=opt.named_groups, **strategy_options)
     opt.finish(strategy)
     return strategy, own_scheduler(task.scheduler_factory, strategy.optimizer, cfg, planned)

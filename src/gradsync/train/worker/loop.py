@@ -7,7 +7,10 @@ directory, lock, resume decision, strategy, restored state), :func:`run_step`
 guarded against NaN, and :func:`finish` (``records/summary.py``) ends the run
 (summary.json, table, report). Between steps, here: the bucket plan for the report,
 the drift check, checkpoints, a fault injector's clean stop, and rank 0's callbacks
-(``records/callbacks.py``).
+(``records/callbacks.py``). Who takes part in each step is the session's step
+coordinator (``step/coordinator.py``, chosen once in setup): the loop asks it which step
+comes next and tells it when a step ended, committed or not, and knows nothing else of
+replica groups.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import contextlib
 import signal
 import time
 
-from ...ft.quorum_step import announce
 from ...observe import host_reads
 from ..checkpoint.state import save
 from ..config.resolve import RunConfig
@@ -49,25 +51,22 @@ def train_session(sess: Session, callbacks=None) -> dict | None:
     cfg = sess.cfg
     hooks = Callbacks(callbacks, sess.rank)
     sess.loop_started = time.perf_counter()
+    steps = sess.coordinator  # who takes part in each step (step/coordinator.py)
     with sess.display if sess.display else contextlib.nullcontext():
         step = sess.start_step + 1
         while step <= cfg.run.steps:
-            if sess.ft:  # this step's quorum; a group that was behind heals and jumps ahead
-                step = sess.ft.begin().step
-                if step > cfg.run.steps:
-                    break
+            step = steps.begin(step)  # across groups: a group that was behind jumps ahead
+            if step > cfg.run.steps:
+                break
             if host_reads.enabled():  # device values the step reads (a test holds it)
                 with host_reads.HostReads() as reads:
                     rec = run_step(sess, step, reads)
             else:
                 rec = run_step(sess, step)
-            if sess.ft:
-                announce(sess, sess.ft.current, rec is not None)
-            if rec is None:  # the quorum did not commit: the same step again
+            steps.end_step(step, rec is not None)
+            if rec is None:  # the step did not commit: the same step again, same samples
                 continue
             step += 1
-            if getattr(sess.ft, "local", False):  # DiLoCo across groups: its sync, when due
-                sess.ft.after_step(rec.step)
             hooks.step_ended(sess, rec)
             stop = _between_steps(sess, rec.step)
             if sess.last_checkpoint == rec.step:

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...data.balance import ShareBalancer
 from ...data.parted_sampler import PartedStepSampler
 from ...data.sampler import StepSampler
 from ...engine.strategy.base import Strategy
@@ -21,6 +20,7 @@ from ..config.plan import RunPlan
 from ..config.resolve import RunConfig
 from ..records.instrument import Instruments
 from ..records.progress import RunDisplay
+from ..step.coordinator import StepCoordinator
 from ..step.straggler import Slowdown
 from ..task.build import Task
 from .faults import FaultInjector
@@ -58,17 +58,16 @@ class Session:
     loop_started: float = 0.0
     last_checkpoint: int | None = None
     items_per_step: int = 0
-    balancer: ShareBalancer | None = None  # each step's split (step/train_step.py)
+    coordinator: StepCoordinator | None = None  # who takes part in each step (step/coordinator)
     slowdown: Slowdown | None = None  # --straggler: this rank's emulated slowness
-    ft: object = None  # --ft-group: this rank's ReplicaGroup (ft/replica.py, ft/quorum_step.py)
 
     @property
     def unit(self) -> str:
         return self.task.data.item_name or "samples"
 
     def close(self) -> None:
-        if self.ft:
-            self.ft.shutdown()
+        if self.coordinator is not None:
+            self.coordinator.close()
         self.inst.close()
         if self.slowdown:
             self.slowdown.close()

@@ -19,7 +19,6 @@ import time
 import torch
 
 from ... import dist as gdist
-from ...data.balance import ShareBalancer
 from ...data.parted_sampler import make_step_sampler
 from ...errors import UsageError
 from ...ft import quorum_step
@@ -42,6 +41,7 @@ from ..config.resolve import RunConfig
 from ..records.instrument import Instruments, baseline_rate_of
 from ..records.progress import RunDisplay
 from ..records.summary import repair_summary
+from ..step.coordinator import LocalSteps
 from ..step.straggler import Slowdown
 from ..task.build import build_task
 from ..task.optim import build_with_optimizer
@@ -111,7 +111,11 @@ def setup(cfg: RunConfig, model_fn=None, data_fn=None, faults: FaultInjector | N
         return None
     n = len(task.data.train)
     check_data_size(cfg, n)
-    strategy, sched = build_with_optimizer(task, cfg, info.device, plan.schedule_steps)
+    # who takes part in each step, chosen once: this group alone, or replica groups (ft/)
+    coordinate = quorum_step.coordinator_for(cfg) if cfg.ft.member else None
+    strategy, sched = build_with_optimizer(  # a DiLoCo worker per group: ft's outer sync
+        task, cfg, info.device, plan.schedule_steps,
+        **(coordinate.strategy_options if coordinate else {}))
     sched = sched or torch.optim.lr_scheduler.LambdaLR(
         strategy.optimizer, lambda s: lr_factor(s, cfg, plan.schedule_steps))
     batch = cfg.batch
@@ -119,19 +123,17 @@ def setup(cfg: RunConfig, model_fn=None, data_fn=None, faults: FaultInjector | N
                    make_step_sampler(n, batch.global_batch, batch.data_parts, world, cfg.run.seed),
                    sched, faults, Instruments(cfg, rank, world, info.device),
                    os.path.join(cfg.run.out, CHECKPOINT), started, lock=lock)
-    # across replica groups the quorum deals the batch (ft/quorum_step.py): no balancer's split
-    sess.balancer = (ShareBalancer(world, world, 1, enabled=False) if cfg.ft.member else
-                     ShareBalancer(world, batch.global_batch, plan.accumulation,
-                                   enabled=batch.balanced))
     sess.slowdown = Slowdown(batch.stragglers, rank)
+    sess.coordinator = coordinate(sess) if coordinate else LocalSteps(
+        rank, world, batch.global_batch, plan.accumulation, batch.balanced,
+        say=lambda line: sess.display.say(line) if sess.display else None)
     sess.world_sizes = list(plan.world_sizes) if plan.action == "resume" else []
     if plan.action == "resume":
         with trusting(cfg.run.trust_checkpoint_code):  # every rank reads data only, unless opted in
             sess.start_step = sess.last_checkpoint = state.load(sess)
     if not sess.world_sizes or sess.world_sizes[-1] != world:
         sess.world_sizes.append(world)
-    if cfg.ft.member:
-        sess.ft = quorum_step.attach(sess)
+    sess.coordinator.start()  # across groups: join the quorum (a heal may follow)
     if rank == 0:
         _open_rank0(sess)
     return sess
