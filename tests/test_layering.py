@@ -41,7 +41,7 @@ RANK = {
     "failures": 1.5,  # launch's reading of a failed worker group (below launch, above dist)
     "ownership": 0.75,  # which directories gradsync may write into (train and export ask it)
     "nccl_rules": 0.9,  # NCCL's rules on gloo (dist initialises it)
-    "dist": 1, "factory": 1, "rundir": 1, "models": 1, "data": 1,
+    "dist": 1, "factory": 1, "rundir": 1, "models": 1,
     "safeload": 1,  # the one torch-file reader (weights only), below the engine that loads shards
     "hang_report": 1,  # reads flight records for launch; the engine writes them (below launch)
     "launch": 2,
@@ -52,6 +52,7 @@ RANK = {
     "engine.sharded": 3.5, "engine.local": 3.5,
     "engine.strategy": 3.6,
     # above the engine
+    "data": 3.7,  # samplers, the speed balancer: its collectives through the engine's door
     "plan": 4,
     "calibrate": 5,
     "observe": 6,

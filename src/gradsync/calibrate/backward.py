@@ -175,13 +175,14 @@ def worker_measure(spec: str, micro_batch, seq_len, runs: int, warmup: int,
 
     from ..dist import comm_device
     from ..engine.replicated.data_parallel import DataParallel
+    from ..engine.transport import comm
 
     work = build_workload(spec, micro_batch, seq_len, device=comm_device())
     dp = DataParallel(work.model)
-    dist.barrier()
+    comm.barrier(tag="calibrate")
     with dp.no_sync():
         timing = time_passes(work, dp, runs, warmup, dp.zero_grad)
-    dist.barrier()
+    comm.barrier(tag="calibrate")
     timing = dataclasses.replace(timing, workers=dist.get_world_size())
     if seconds_per_byte is None:
         return timing

@@ -113,6 +113,8 @@ def time_collectives_worker(ops: Sequence[str], sizes: Sequence[int], reps: int,
     """
     import torch.distributed as dist
 
+    from ..engine.transport import comm
+
     world = dist.get_world_size()
     out: dict[str, list[list[float]]] = {}
     for op in ops:
@@ -124,7 +126,7 @@ def time_collectives_worker(ops: Sequence[str], sizes: Sequence[int], reps: int,
                 run()
             times = []
             for _ in range(reps):
-                dist.barrier()
+                comm.barrier(tag="calibrate")
                 t0 = time.perf_counter()
                 for _ in range(inner):
                     run()

@@ -76,6 +76,7 @@ def _time_pair(pair: tuple[int, int], sizes: Sequence[int], reps: int, warmup: i
     import torch
     import torch.distributed as dist
 
+    from ..engine.transport import comm
     from ..engine.transport.algorithms.rounds import exchange
 
     me = dist.get_rank()
@@ -90,7 +91,7 @@ def _time_pair(pair: tuple[int, int], sizes: Sequence[int], reps: int, warmup: i
 
         times = []
         for k in range(warmup + reps):
-            dist.barrier()
+            comm.barrier(tag="calibrate")
             if me not in pair:
                 continue
             t0 = time.perf_counter()

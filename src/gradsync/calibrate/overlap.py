@@ -52,7 +52,6 @@ def measure_overlap_worker(work, dp, backward_s: float, seconds_per_byte: float,
                            reps: int = 3) -> OverlapPenalty:
     """Inside a spawned worker with ``dp`` (DataParallel of ``work.model``)."""
     import torch
-    import torch.distributed as dist
 
     from ..dist import comm_device
     from ..engine.transport import comm
@@ -60,7 +59,7 @@ def measure_overlap_worker(work, dp, backward_s: float, seconds_per_byte: float,
     dev = comm_device()
     size = torch.tensor([chain_bytes(backward_s, seconds_per_byte)], dtype=torch.int64,
                         device=dev)
-    dist.broadcast(size, 0)  # every rank must issue identical collectives
+    comm.broadcast(size, 0, tag="calibrate")  # every rank issues identical collectives
     nbytes = int(size.item())
     bufs = [torch.ones(nbytes // 16, device=dev) for _ in range(4)]
 
@@ -70,14 +69,14 @@ def measure_overlap_worker(work, dp, backward_s: float, seconds_per_byte: float,
     alone, with_b, c_alone, c_with = [], [], [], []
     with dp.no_sync():
         for _ in range(reps + 1):
-            dist.barrier()
+            comm.barrier(tag="calibrate")
             loss = work.loss(dp)
             t0 = time.perf_counter()
             loss.backward()
             alone.append(time.perf_counter() - t0)
 
             loss = work.loss(dp)
-            dist.barrier()
+            comm.barrier(tag="calibrate")
             t0 = time.perf_counter()
             pending = chain()
             loss.backward()
@@ -88,7 +87,7 @@ def measure_overlap_worker(work, dp, backward_s: float, seconds_per_byte: float,
             with_b.append(t1 - t0)
             c_with.append(t2 - t0)
 
-            dist.barrier()
+            comm.barrier(tag="calibrate")
             t0 = time.perf_counter()
             for p in chain():
                 p.wait()

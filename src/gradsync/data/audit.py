@@ -14,8 +14,9 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
 from rich.table import Table
+
+from ..engine.transport import comm
 
 
 @dataclass
@@ -71,9 +72,7 @@ def summarize_shards(per_rank_indices: list[list[int]], dataset_len: int) -> Sam
 def audit_indices(consumed: Iterable[int], dataset_len: int, group=None) -> SamplerAudit:
     """Collective: gather every rank's consumed indices; all ranks get the same audit."""
     mine = [int(i) for i in consumed]
-    world = dist.get_world_size(group)
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered = comm.all_gather_object(mine, group=group, tag="sampler_audit")
     return summarize_shards(gathered, dataset_len)
 
 

@@ -39,8 +39,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from ..dist import comm_device
+from ..engine.transport import comm, host
 from ..errors import UsageError
 from .speed import RankSpeeds
 from .split import bounds, deal, micro_batches, split_counts, step_time
@@ -160,12 +161,12 @@ class ShareBalancer:
         For API users whose loop has no statistics gather of its own to carry them
         (``gradsync train`` sends them with its loss statistics instead).
         """
-        mine = torch.tensor([float(samples), float(busy_s)], dtype=torch.float64)
-        if dist.get_backend(group) == "nccl":
-            mine = mine.cuda()
-        out = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(out, mine, group=group)
-        return [float(t[0]) for t in out], [float(t[1]) for t in out]
+        mine = torch.tensor([float(samples), float(busy_s)], dtype=torch.float64,
+                            device=comm_device(group))
+        out = torch.empty(2 * self.world, dtype=torch.float64, device=mine.device)
+        comm.all_gather_single(out, mine, group=group, tag="balance")
+        out = host.read(out).tolist()  # one read of the device's values
+        return out[0::2], out[1::2]
 
     # -------------------------------------------------------------- resuming
     def state_dict(self) -> dict[str, Any]:

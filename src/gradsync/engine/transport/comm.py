@@ -263,6 +263,17 @@ def all_gather_object(obj, group=None, tag: str = "") -> list:
     return out
 
 
+def gather_object(obj, dst: int = 0, group=None, tag: str = "") -> list | None:
+    """Every rank's picklable ``obj`` on rank ``dst`` (by rank; None elsewhere), as
+    :func:`all_gather_object` but to one rank only: payloads too large to hold on every
+    rank (a trace's spans). Observed as one collective."""
+    payload = host.to_host(obj)
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    with composite("gather_object", torch.empty(0, dtype=torch.uint8), tag, group=group):
+        dist.gather_object(payload, out, dst=dst, group=group)
+    return out
+
+
 class _Exchange:
     """Point-to-point works that complete as one; ``finish`` runs once, after all of them."""
 

@@ -20,7 +20,6 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 
 from ...engine.local.streaming import StreamingDiLoCo
 from ...engine.strategy.inexact import LocalUpdateStrategy
@@ -96,8 +95,7 @@ class Instruments:
             self._write_trace()
 
     def _write_trace(self) -> None:
-        gathered = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(rank_payload(self.tracer), gathered, dst=0)
+        gathered = comm.gather_object(rank_payload(self.tracer), dst=0, tag="trace")
         if self.rank == 0:
             write_trace(os.path.join(self.cfg.run.out, TRACE), gathered)
 
