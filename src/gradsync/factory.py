@@ -1,15 +1,20 @@
-"""``module:factory`` specs: how every command names a user's own model or data.
+"""``module:factory`` specs: how every command names a user's own model, data, optimizer, schedule.
 
-``gradsync plan memory MODEL``, ``gradsync calibrate --model``, ``gradsync verify
---model/--data`` and ``gradsync train --model/--data`` all take ``pkg.module:factory``:
+The one loader of a user's factories. ``gradsync plan memory MODEL``, ``gradsync
+calibrate --model``, ``gradsync verify --model/--data``, ``gradsync export --model``
+and ``gradsync train --model/--data/--optimizer/--scheduler`` all take
+``pkg.module:factory``:
 the module is imported as ``python -m`` would (the current directory is importable)
 and ``factory`` is a callable in it. A file path works too, ``path/to/mycnn.py:build``
 (what people type first): the file's directory goes on ``sys.path`` and the file is
 imported under its own name, so everything it defines has an importable name (the
 workers import it the same way; a relative path is read from the current directory,
 which the workers share). ``No module named`` says where Python looked and how to
-make it look further. Kept outside ``plan/`` and ``train/`` so either may use it
-without importing the other, and free of torch so the planner stays pure.
+make it look further -- the same words whichever flag named it. What a factory is
+called with is checked against its signature when it is loaded (a model factory takes
+nothing, an optimizer factory the parameter groups and the learning rate). Kept
+outside ``plan/`` and ``train/`` so either may use it without importing the other, and
+free of torch so the planner stays pure.
 """
 
 from __future__ import annotations
@@ -74,34 +79,57 @@ def _import(mod_name: str, shown: str):
         raise UsageError(f"cannot import {shown!r}: {type(e).__name__}: {e}{hint}") from None
 
 
-def load_factory(text: str):
+def load_factory(text: str, flag: str | None = None, args: tuple[str, ...] = ()):
     """Import ``module:factory`` or ``path/to/file.py:factory`` (the user's own modules
-    too, like ``python -m``)."""
-    mod_name, _, attr = str(text).partition(":")
-    if not mod_name or not attr:
-        raise UsageError(f"expected module:factory, got {text!r}")
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    module = _import_file(mod_name) if is_file_spec(mod_name) else _import(mod_name, mod_name)
-    factory = module
-    for part in attr.split("."):  # module:Class.method works too
-        factory = getattr(factory, part, None)
-    if factory is None or not callable(factory):
-        raise UsageError(f"{mod_name!r} has no callable {attr!r}")
-    _takes_no_arguments(factory, text)
+    too, like ``python -m``) and check it can be called with ``args``.
+
+    ``args``: the names of what it is called with -- none for a model or data factory,
+    ``("param_groups", "lr")`` for ``--optimizer``, ``("optimizer", "total_steps")`` for
+    ``--scheduler``. ``flag``: the flag that named it, which every error then starts with
+    (``--optimizer ./f.py:make: cannot import ...``); the hints are the same for every
+    kind of factory.
+    """
+    try:
+        mod_name, _, attr = str(text).partition(":")
+        if not mod_name or not attr:
+            raise UsageError(f"expected module:factory, got {text!r}")
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        module = (_import_file(mod_name) if is_file_spec(mod_name)
+                  else _import(mod_name, mod_name))
+        factory = module
+        for part in attr.split("."):  # module:Class.method works too
+            factory = getattr(factory, part, None)
+        if factory is None or not callable(factory):
+            raise UsageError(f"{mod_name!r} has no callable {attr!r}")
+        _check_arguments(factory, text if flag is None else f"{flag} {text}", args)
+    except UsageError as e:
+        if flag is None or str(e).startswith(flag):
+            raise
+        raise UsageError(f"{flag} {text}: {e}") from None
     return factory
 
 
-def _takes_no_arguments(fn, name: str) -> None:
+def _check_arguments(fn, name: str, args: tuple[str, ...] = ()) -> None:
+    """``fn`` can be called with ``args`` (positionally), or one line saying how it is called."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return
+    called = f"{name.rpartition(':')[2]}({', '.join(args)})"
+    if args:
+        try:
+            sig.bind(*args)
+        except TypeError:
+            count = {1: "one argument", 2: "two arguments"}.get(len(args), f"{len(args)} arguments")
+            raise UsageError(f"{name} must take {count}, {' and '.join(args)} (it is called "
+                             f"as {called})") from None
         return
     needed = [p.name for p in sig.parameters.values() if p.default is p.empty
               and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if needed:
         raise UsageError(f"factory {name} must take no arguments (it is called as "
-                         f"{name.rpartition(':')[2]}()), but it needs {', '.join(needed)}: "
+                         f"{called}), but it needs {', '.join(needed)}: "
                          "give them defaults, or wrap it in a function that supplies them")
 
 
@@ -119,7 +147,7 @@ def check_factory(fn, what: str) -> None:
         raise UsageError(f"{what}= takes a factory, a function returning the "
                          f"{'model' if what == 'model' else 'dataset'} (each worker builds "
                          f"its own), not a {type(fn).__name__} instance")
-    _takes_no_arguments(fn, name)
+    _check_arguments(fn, name)
     qualname = getattr(fn, "__qualname__", "")
     if "<lambda>" in qualname or "<locals>" in qualname:
         raise UsageError(f"{what} factory {name} cannot reach the workers: define it at "

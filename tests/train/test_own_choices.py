@@ -24,10 +24,11 @@ from torch import nn
 
 import gradsync as gs
 from gradsync.errors import UsageError
+from gradsync.factory import load_factory
 from gradsync.rundir import METRICS, read_metrics
+from gradsync.train.launcher.api import take_factories
 from gradsync.train.records.callbacks import check_callbacks
 from gradsync.train.task.eval_metrics import check_metrics, metric_sums
-from gradsync.train.task.loader import load_callable, take_factories
 from gradsync.train.task.optim import FactoryOptimizer, own_scheduler, split_decay
 from gradsync.train.task.schedule import lr_factor
 from tests.train.factories import abs_error, normed64, positive, tensors, user_adamw
@@ -284,7 +285,7 @@ def test_refusals_of_what_cannot_reach_the_workers():
     assert given["optimizer"] == "tests.train.factories:user_adamw"
     assert pickle.loads(pickle.dumps(Recorder("x"))).path == "x"
     with pytest.raises(UsageError, match="--optimizer nowhere:f: cannot import 'nowhere'"):
-        load_callable("nowhere:f", "--optimizer")
+        load_factory("nowhere:f", "--optimizer", ("param_groups", "lr"))
 
 
 def test_metrics_need_a_held_out_set_and_return_sum_and_count():
@@ -296,3 +297,25 @@ def test_metrics_need_a_held_out_set_and_return_sum_and_count():
     assert metric_sums({"mae": abs_error, "sign": positive}, out, y) == [3.5, 2.0, 1.0, 2.0]
     with pytest.raises(UsageError, match="returned 0.5; a metric returns"):
         metric_sums({"bad": lambda o, t: 0.5}, out, y)
+
+
+def test_an_optimizer_factory_by_file_path_loads_like_a_model_factory(tmp_path, monkeypatch):
+    """``--optimizer ./f.py:make`` goes through the one factory loader, as ``--model
+    ./f.py:build`` does: file paths work, and the hints are the same."""
+    from gradsync.train.task.optim import optimizer_factory, scheduler_factory
+
+    (tmp_path / "own_opt_by_path.py").write_text(
+        "import torch\n\n\ndef make(param_groups, lr):\n"
+        "    return torch.optim.SGD(param_groups, lr=lr)\n\n\ndef one(optimizer):\n"
+        "    return None\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = gs.TrainConfig(out="u", optimizer="./own_opt_by_path.py:make").resolved()
+    opt = optimizer_factory(cfg)([{"params": [torch.nn.Parameter(torch.zeros(2))]}], 0.1)
+    assert isinstance(opt, torch.optim.SGD)
+    with pytest.raises(UsageError, match=r"^--optimizer \./absent\.py:make: cannot import "
+                                         r"'\./absent\.py': no such file"):
+        optimizer_factory(gs.TrainConfig(out="u", optimizer="./absent.py:make").resolved())
+    with pytest.raises(UsageError, match=r"^--scheduler \./own_opt_by_path\.py:one must take "
+                                         r"two arguments, optimizer and total_steps"):
+        scheduler_factory(gs.TrainConfig(out="u",
+                                         scheduler="./own_opt_by_path.py:one").resolved())

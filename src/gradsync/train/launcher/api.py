@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import re
 import sys
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -31,7 +33,6 @@ from ..config.resolve import RunConfig
 from ..config.train_config import TrainConfig
 from ..records.callbacks import check_callbacks
 from ..records.summary import repair_summary
-from ..task.loader import take_factories
 from ..task.schedule import finished_line
 from ..worker.faults import FaultInjector
 from ..worker.loop import run_worker
@@ -75,6 +76,32 @@ def usage_error_of(err: WorkerFailedError) -> UsageError | None:
     if m and m.group(1) in ONE_LINE_ERRORS:
         return UsageError(m.group(2))
     return None
+
+
+def take_factories(overrides: dict) -> dict[str, Callable]:
+    """``optimizer=``/``scheduler=`` given to ``gs.train`` as functions: each becomes its
+    ``module:qualname`` in ``overrides`` (the config's record) and an entry of the
+    returned {name: function}, which travels to the workers pickled, like ``model=`` and
+    ``data=``: there it is what that name loads (``task/optim.optimizer_factory``), so a
+    function of the caller's own script works although its ``__main__`` cannot be
+    imported by name."""
+    factories = {}
+    for key in ("optimizer", "scheduler"):
+        fn = overrides.get(key)
+        if fn is None or isinstance(fn, str):
+            continue
+        qualname = getattr(fn, "__qualname__", "")
+        if not callable(fn) or not qualname or "<lambda>" in qualname or "<locals>" in qualname:
+            raise UsageError(f"{key}= takes a module-level function or 'pkg.module:factory' "
+                             f"(a lambda, a nested function or an instance cannot reach the "
+                             f"workers), got {fn!r}")
+        try:
+            pickle.dumps(fn)
+        except Exception as e:
+            raise UsageError(f"{key}= {qualname} cannot reach the workers ({e})") from None
+        name = factory_name(fn)
+        overrides[key], factories[name] = name, fn
+    return factories
 
 
 def _config(config, model, data, overrides: dict) -> tuple[TrainConfig, object, object]:
@@ -121,7 +148,8 @@ def train(config: TrainConfig | dict | None = None, model=None, data=None, *,
         callbacks: objects with ``on_step_end``/``on_eval``/``on_checkpoint`` (e.g.
             :class:`gradsync.Callback` subclasses), called on rank 0 (``records/callbacks.py``).
         ``optimizer=``/``scheduler=`` (overrides) may be module-level functions, the
-        factories of ``train/task/optim.py``; they reach the workers pickled.
+        factories of ``train/task/optim.py``; they reach the workers pickled
+        (:func:`take_factories`).
     Returns None when the run directory held a finished run (nothing is done),
     on ranks other than 0, or after an injected stop.
     """

@@ -172,8 +172,11 @@ def _refuse_meta(model: nn.Module, name: str) -> None:
 
 
 def build_task(cfg: RunConfig, model_fn: Callable | None = None,
-               data_fn: Callable | None = None) -> Task:
-    """Model (seeded identically on every rank), data, loss, items and optimizer."""
+               data_fn: Callable | None = None,
+               factories: Mapping[str, Callable] | None = None) -> Task:
+    """Model (seeded identically on every rank), data, loss, items and optimizer.
+    ``factories``: ``--optimizer``/``--scheduler`` given from Python as functions, by the
+    name the config records (``launcher/api.take_factories``)."""
     torch.manual_seed(cfg.run.seed)
     run = cfg.run
     model_fn = model_fn or (load_factory(run.model) if is_factory_spec(run.model) else None)
@@ -189,5 +192,6 @@ def build_task(cfg: RunConfig, model_fn: Callable | None = None,
     _refuse_meta(model, cfg.run.model)
     data_fn = data_fn or (load_factory(cfg.run.data) if is_factory_spec(cfg.run.data) else None)
     data = complete(data_fn()) if data_fn is not None else builtin_data(cfg.run.data, cfg)
-    return Task(model, data, optimizer_factory(cfg), scheduler_factory(cfg), run.model, run.data)
+    return Task(model, data, optimizer_factory(cfg, factories),
+                scheduler_factory(cfg, factories), run.model, run.data)
 

@@ -46,7 +46,6 @@ order); ZeRO-3's pieces, named only by the wrapper, get a placeholder that
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 
 import torch
@@ -55,8 +54,8 @@ from torch import nn
 from ...engine.sharded.zero_shard import check_elementwise
 from ...engine.strategy.registry import FIXED_BUCKETS, build_strategy
 from ...errors import UsageError
+from ...factory import load_factory
 from .builtins import OPTIMIZERS
-from .loader import load_callable
 
 DECAY, NO_DECAY = "decay", "no_decay"
 
@@ -81,34 +80,24 @@ def group_options(cfg) -> tuple[dict, dict]:
     return {"name": DECAY, **both, **decay}, {"name": NO_DECAY, **both, "weight_decay": 0.0}
 
 
-def _check_signature(fn: Callable, name: str, args: tuple[str, str]) -> None:
-    try:
-        inspect.signature(fn).bind(*args)
-    except TypeError:
-        raise UsageError(f"{name} must take two arguments, {args[0]} and {args[1]} (it is "
-                         f"called as {name.rpartition(':')[2]}({', '.join(args)}))") from None
-    except ValueError:  # a builtin without a signature: nothing to check
-        pass
-
-
-def optimizer_factory(cfg) -> Callable:
-    """The factory ``--optimizer`` names: a built-in's, or the user's, loaded and checked."""
+def optimizer_factory(cfg, given: Mapping[str, Callable] | None = None) -> Callable:
+    """The factory ``--optimizer`` names: a built-in's, one given from Python (``given``:
+    ``gs.train(optimizer=fn)``, by its recorded name), or the user's, loaded and checked
+    by the one factory loader (``gradsync/factory.py``: module or file path)."""
     name = cfg.optim.optimizer_name
     if name in OPTIMIZERS:
         return OPTIMIZERS[name]
-    factory = load_callable(name, "--optimizer")
-    _check_signature(factory, f"optimizer factory {name}", ("param_groups", "lr"))
-    return factory
+    return (given or {}).get(name) or load_factory(name, "--optimizer", ("param_groups", "lr"))
 
 
-def scheduler_factory(cfg) -> Callable | None:
-    """The ``--scheduler`` factory, loaded and checked; None: the built-in schedule."""
+def scheduler_factory(cfg, given: Mapping[str, Callable] | None = None) -> Callable | None:
+    """The ``--scheduler`` factory (or the one ``given`` from Python); None: the built-in
+    schedule."""
     name = cfg.optim.scheduler
     if not name:
         return None
-    factory = load_callable(name, "--scheduler")
-    _check_signature(factory, f"scheduler factory {name}", ("optimizer", "total_steps"))
-    return factory
+    return (given or {}).get(name) or load_factory(name, "--scheduler",
+                                                   ("optimizer", "total_steps"))
 
 
 def own_scheduler(factory: Callable | None, optimizer, cfg, planned: int):

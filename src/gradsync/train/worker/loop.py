@@ -25,7 +25,6 @@ from ..config.resolve import RunConfig
 from ..records.callbacks import Callbacks
 from ..records.summary import finish
 from ..step.train_step import run_step
-from ..task.loader import given
 from .faults import FaultInjector
 from .session import Session
 from .setup import setup
@@ -88,14 +87,14 @@ def run_worker(cfg: RunConfig, model_fn=None, data_fn=None, faults: FaultInjecto
     itself, pickled to a launched worker; never parsed again).
     ``model_fn``/``data_fn`` override ``--model``/``--data`` (see ``train/task/build.py`` for
     their contracts). ``prepared``: the launching process checked the run directory,
-    verified the checkpoint and holds the lock (see ``train/launcher/preflight.py``). ``factories``:
-    ``--optimizer``/``--scheduler`` names given from Python as objects
-    (``task/loader.py``); ``callbacks``: run on rank 0 (``records/callbacks.py``).
+    verified the checkpoint and holds the lock (``launcher/preflight.py``). ``factories``:
+    ``--optimizer``/``--scheduler`` given from Python as functions, by the names the
+    config records (``launcher/api.take_factories``); ``callbacks``: run on rank 0
+    (``records/callbacks.py``).
     """
-    given(factories or {})
     previous = signal.getsignal(signal.SIGTERM)  # setup makes SIGTERM unwind like Ctrl-C
     try:
-        sess = setup(cfg, model_fn, data_fn, faults, prepared)
+        sess = setup(cfg, model_fn, data_fn, faults, prepared, factories)
         if sess is None:  # already finished: nothing to do, nothing written
             return None
         try:

@@ -91,7 +91,7 @@ def _plan(cfg: RunConfig, rank: int, world: int, prepared: bool, model_fn):
 
 
 def setup(cfg: RunConfig, model_fn=None, data_fn=None, faults: FaultInjector | None = None,
-          prepared: bool = False) -> Session | None:
+          prepared: bool = False, factories: dict | None = None) -> Session | None:
     """This rank's Session, or None when the run directory holds a finished run."""
     started = time.perf_counter()
     info = gdist.info()
@@ -99,7 +99,7 @@ def setup(cfg: RunConfig, model_fn=None, data_fn=None, faults: FaultInjector | N
     _interrupt_on_sigterm()
     faults = faults or FaultInjector()
     faults.attempt = gdist.restart_count()  # a fault fires in one attempt, not in every restart
-    task = build_task(cfg, model_fn, data_fn)
+    task = build_task(cfg, model_fn, data_fn, factories)
     plan, lock = _plan(cfg, rank, world, prepared, model_fn)
     if plan.action == "finished":
         if rank == 0:
