@@ -48,7 +48,7 @@ MARKER = "gradsync-run.json"  # {"format": RUN_FORMAT}: gradsync may write here 
 RUN_FORMAT = "gradsync-run"
 REPORT = "report.html"
 BASELINE = "baseline"
-# --log trackers (train/trackers/): each library's own files, and the run ids they resume
+# --log trackers (train/records/trackers/): each library's own files, and the run ids they resume
 TRACKERS = "trackers.json"
 TENSORBOARD_DIR = "tb"
 METRICS_CSV = "metrics.csv"
@@ -144,7 +144,7 @@ def _failures(v) -> bool:
 RESTART_FIELDS = {"event": "str", "step": "int", "attempt": "int", "max_restarts": "int",
                   "reached_step": "int", "world_size": "int", "unix_time": "float",
                   "failed": "failures"}
-"""A ``{"event": "restart", ...}`` record's fields and their kinds (``train/restarts.py``
+"""A ``{"event": "restart", ...}`` record's fields and their kinds (``train/checkpoint/restarts.py``
 writes it; ``failed``: [{"rank", "how", "exitcode", "signal", "unix_time"}])."""
 _EVENT_KINDS = {**_KINDS, "failures": _failures}
 _EVENT_WORDS = {**_WORDS, "failures": "a list of failures by rank"}
