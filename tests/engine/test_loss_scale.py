@@ -253,6 +253,22 @@ def _refusals():
     return errors_of(plain=plain, no_items=no_items)
 
 
+def _lr_after_load():
+    """MixedPrecisionOptimizer restored from its state dict: does a scheduler's lr (set in
+    its param_groups) still reach the inner optimizer? With lr 0 a step changes nothing."""
+    x, y = dataset()
+    mp = gs.MixedPrecision(torch.bfloat16)  # no loss scale: every step is taken
+    batch = [list(range(4 * gs.rank(), 4 * gs.rank() + 4))]
+    model, opt, _ = _build("ddp", mlp(), mp)
+    _step(model, opt, batch, x, y)
+    model2, opt2, _ = _build("ddp", mlp(), mp)
+    opt2.load_state_dict(opt.state_dict())
+    opt2.param_groups[0]["lr"] = 0.0
+    before = _snapshot(lambda: model2.module.parameters())
+    _step(model2, opt2, batch, x, y)
+    return _same(before, _snapshot(lambda: model2.module.parameters()))
+
+
 def _jobs(world):
     jobs = {f"exact/{kind}/{scaled}": (_exact, (kind, scaled))
             for kind in KINDS for scaled in (True, False)}
@@ -260,6 +276,7 @@ def _jobs(world):
     jobs["overflow/minimum"] = (_overflow, ("ddp", 2, 3, gs.LossScale(init_scale=1.0)))
     jobs.update({f"tiny/{kind}": (_tiny_gradient, (kind,)) for kind in KINDS})
     jobs["refusals"] = (_refusals, ())
+    jobs["lr_after_load"] = (_lr_after_load, ())
     return jobs
 
 
@@ -323,3 +340,8 @@ def test_backward_the_engine_does_not_scale_is_refused_on_every_rank():
     assert res[0] == res[1]
     for name in ("plain", "no_items"):
         assert "model.backward(loss, num_items=n)" in res[0][name], name
+
+
+def test_a_restored_mixed_precision_optimizer_follows_its_scheduler():
+    """It kept the saved step's lr for the rest of a resumed run (bf16 too)."""
+    assert SPAWN.results("lr_after_load", 2) == [True, True]

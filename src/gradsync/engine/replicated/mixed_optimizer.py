@@ -190,7 +190,17 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         for p, m, s in zip(self._params, self._masters, state["masters"]):
             m.copy_(s)
             p.copy_(s)
+        groups, kept = self.param_groups, self.state
         self.optimizer.load_state_dict(state["optimizer"])
+        # torch's load_state_dict gives the inner optimizer new param_groups and state
+        # objects; an LR scheduler sets the lr in *ours*, so refill those and hand them
+        # back (else every step after a resume kept the saved step's lr)
+        for mine, loaded in zip(groups, self.optimizer.param_groups):
+            mine.clear()
+            mine.update(loaded)
+        kept.clear()
+        kept.update(self.optimizer.state)
+        self.optimizer.param_groups, self.optimizer.state = groups, kept
 
     def memory_report(self) -> MemoryReport:
         params = sum(held(p) for p in self.model.module.parameters())
