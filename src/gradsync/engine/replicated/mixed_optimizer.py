@@ -165,8 +165,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if self._wide is None:
             return torch.nn.utils.clip_grad_norm_(self._params, max_norm)
         pairs = [(p, self._grad(p)) for p in self._params if p.grad is not None]
-        if not pairs:
-            return torch.zeros((), dtype=torch.float32)
+        if not pairs:  # an overflowed step: nothing to clip
+            return torch.zeros((), dtype=torch.float32, device=self._masters[0].device
+                               if self._masters else None)
         total = torch.zeros((), dtype=torch.float64, device=pairs[0][1].device)
         for _p, g in pairs:
             total += g.double().pow(2).sum()
