@@ -76,7 +76,9 @@ class StepRecord:
     items: int
     world_size: int
     grad_norm: float | None = None
-    skipped: bool = False
+    skipped: bool = False  # the update was not applied (non-finite, or overflow below)
+    overflow: bool | None = None  # fp16: skipped because the gradient overflowed its loss scale
+    loss_scale: float | None = None  # fp16: the loss scale this step's backward ran with
     eval_loss: float | None = None
     eval_metrics: dict[str, float] | None = None  # TrainData.metrics, beside eval_loss
     time_s: float = 0.0
@@ -236,7 +238,7 @@ class Summary:
     checkpoint: str
     buckets: int
     bucket_cap_mb: float | None
-    skipped_steps: list[int]
+    skipped_steps: list[int]  # non-finite steps skipped (--on-nonfinite skip-step)
     memory: dict | None
     drift: dict | None
     traced_steps: list[int] | None
@@ -251,6 +253,8 @@ class Summary:
     collectives: str | None = None  # what --collectives auto chose (Strategy.collectives)
     # across replica groups (--ft-group): this group's failures, heals and seconds lost
     fault_tolerance: dict | None = None
+    # fp16: {"skipped": steps skipped by loss scaling over the whole run, "scale": at the end}
+    loss_scale: dict | None = None
 
     def to_json(self) -> dict:
         return clean(asdict(self))

@@ -272,6 +272,13 @@ class DataParallel(GradientArrivals, DDPMethods, BucketAccess, SyncedModule):
         elif self._layout.tuning:
             self._relayout(self._layout.autotune_step(time.perf_counter() - self._pass_t0))
 
+    def _synced_grads(self):
+        grads, sharded = self._reduction.synced_grads()
+        return grads, self.group, sharded
+
+    def _drop_grads(self) -> None:
+        self.zero_grad(set_to_none=True)  # the reduction's shards (ZeRO) go with them
+
     def _relayout(self, specs: list[BucketSpec] | None) -> None:
         if specs is not None:
             self._install(specs)
