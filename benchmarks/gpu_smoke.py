@@ -55,7 +55,7 @@ from gradsync.engine.strategy.options import SyncOptions  # noqa: E402
 from gradsync.engine.strategy.registry import build_strategy  # noqa: E402
 from gradsync.engine.transport import comm  # noqa: E402
 
-STEPS = 6  # per mode: stopped after STEPS // 2 and continued
+STEPS = 8  # per mode: stopped after STEPS // 2 and continued
 
 
 class Block(nn.Module):
