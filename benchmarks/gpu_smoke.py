@@ -15,8 +15,9 @@ NCCL refuses two ranks on one GPU). Three parts, one table:
    bitwise. The exact fp32 modes run in float64 and are compared with one process
    training on every rank's batch (gap <= 1e-12). Replicas are compared by an
    all-gathered checksum, and every mode must have trained: its parameters moved
-   0.5 to 2 times as far as one fp32 process's ("moved"; a mode that lost its
-   gradients moves by weight decay alone).
+   0.5 to 4 times as far as one fp32 process's ("moved"; a mode that lost its
+   gradients moves by weight decay alone; DiLoCo's outer Nesterov step moves further
+   than the inner optimizer alone: 2.41 on one H100, 1.80 on 2 CPU ranks).
 2. **The command**: ``gradsync train --strategy zero2`` stopped at step 4 and
    continued to 6 equals an uninterrupted 6-step run bitwise (metrics.jsonl losses);
    ``--workers`` beyond the GPUs is refused in one line.
@@ -390,7 +391,7 @@ def main(argv=None) -> int:
                 bad = (row.get("error") or row["resume_gap"] != 0.0
                        or row["replicas_identical"] is False
                        or (row["reference_gap"] is not None and row["reference_gap"] > 1e-12)
-                       or not 0.5 <= row["moved_vs_fp32"] <= 2.0)
+                       or not 0.5 <= row["moved_vs_fp32"] <= 4.0)
                 if bad:
                     failed.append(f"mode {name}")
         if "command" not in skip:
