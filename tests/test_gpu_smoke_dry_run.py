@@ -29,6 +29,7 @@ def test_the_gpu_smoke_plan_passes_on_the_cpu(tmp_path):
             "streaming"} <= set(report["modes"])
     for name, row in report["modes"].items():
         assert row["error"] is None and row["resume_gap"] == 0.0, (name, row)
+        assert 0.5 <= row["moved_vs_fp32"] <= 4.0, (name, row)  # it trained
     assert report["modes"]["zero3"]["reference_gap"] <= 1e-12
     assert report["command"]["resume"]["ok"] and report["command"]["refused"]["ok"]
     for kind in ("torch DDP", "gradsync DataParallel", "torch FSDP2", "gradsync zero3 (FSDP)"):

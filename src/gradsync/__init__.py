@@ -37,6 +37,8 @@ _LAZY = {
     "ZeroOptimizer": "gradsync.engine.sharded.zero",
     "FullyShardedDataParallel": "gradsync.engine.sharded.fsdp.wrapper",
     "MixedPrecision": "gradsync.engine.replicated.precision",
+    "LossScale": "gradsync.engine.sync.loss_scale",
+    "LossScaler": "gradsync.engine.sync.loss_scale",
     "MixedPrecisionOptimizer": "gradsync.engine.replicated.mixed_optimizer",
     "clip_grad_norm_": "gradsync.engine.sharded.clip",
     "SyncBatchNorm": "gradsync.engine.sync.batchnorm",

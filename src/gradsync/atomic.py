@@ -39,7 +39,7 @@ from typing import BinaryIO
 
 from .errors import StorageError
 
-TMP_PREFIX = ".tmp-"  # a file killed mid-write is removed at the next start (train/checkpoint.py)
+TMP_PREFIX = ".tmp-"  # removed at the next start if killed mid-write (train/checkpoint/format.py)
 
 _CAUSES = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
            errno.EROFS: "read-only file system", errno.EACCES: "permission denied",

@@ -214,7 +214,7 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
             check_local_devices("nccl", max(local_world, local_rank + 1))
             # torch's own NCCL flight recorder, dumped when its watchdog times a collective
             # out (gradsync's ring is written before that: engine/transport/flight_recorder)
-            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
             os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
             torch.cuda.set_device(local_rank)
             dist.init_process_group("nccl", timeout=timeout,

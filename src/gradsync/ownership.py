@@ -10,7 +10,7 @@ that writes asks first whether the directory is gradsync's:
   directory is (a run directory: ``gradsync-run.json``, written when a run first
   takes it; an export: ``gradsync-export.json``, the export's provenance);
 * or the caller recognises it another way (a run directory of a gradsync from before
-  the marker, by its checkpoint or its configuration: ``train/guard.py``).
+  the marker, by its checkpoint or its configuration: ``train/checkpoint/guard.py``).
 
 Anything else is refused in one line naming what is there, before anything is
 written, with ``--overwrite`` as the way on: then gradsync's files replace any of

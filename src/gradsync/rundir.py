@@ -48,7 +48,7 @@ MARKER = "gradsync-run.json"  # {"format": RUN_FORMAT}: gradsync may write here 
 RUN_FORMAT = "gradsync-run"
 REPORT = "report.html"
 BASELINE = "baseline"
-# --log trackers (train/trackers/): each library's own files, and the run ids they resume
+# --log trackers (train/records/trackers/): each library's own files, and the run ids they resume
 TRACKERS = "trackers.json"
 TENSORBOARD_DIR = "tb"
 METRICS_CSV = "metrics.csv"
@@ -76,7 +76,9 @@ class StepRecord:
     items: int
     world_size: int
     grad_norm: float | None = None
-    skipped: bool = False
+    skipped: bool = False  # the update was not applied (non-finite, or overflow below)
+    overflow: bool | None = None  # fp16: skipped because the gradient overflowed its loss scale
+    loss_scale: float | None = None  # fp16: the loss scale this step's backward ran with
     eval_loss: float | None = None
     eval_metrics: dict[str, float] | None = None  # TrainData.metrics, beside eval_loss
     time_s: float = 0.0
@@ -144,7 +146,7 @@ def _failures(v) -> bool:
 RESTART_FIELDS = {"event": "str", "step": "int", "attempt": "int", "max_restarts": "int",
                   "reached_step": "int", "world_size": "int", "unix_time": "float",
                   "failed": "failures"}
-"""A ``{"event": "restart", ...}`` record's fields and their kinds (``train/restarts.py``
+"""A ``{"event": "restart", ...}`` record's fields and their kinds (``train/checkpoint/restarts.py``
 writes it; ``failed``: [{"rank", "how", "exitcode", "signal", "unix_time"}])."""
 _EVENT_KINDS = {**_KINDS, "failures": _failures}
 _EVENT_WORDS = {**_WORDS, "failures": "a list of failures by rank"}
@@ -236,7 +238,7 @@ class Summary:
     checkpoint: str
     buckets: int
     bucket_cap_mb: float | None
-    skipped_steps: list[int]
+    skipped_steps: list[int]  # non-finite steps skipped (--on-nonfinite skip-step)
     memory: dict | None
     drift: dict | None
     traced_steps: list[int] | None
@@ -251,6 +253,8 @@ class Summary:
     collectives: str | None = None  # what --collectives auto chose (Strategy.collectives)
     # across replica groups (--ft-group): this group's failures, heals and seconds lost
     fault_tolerance: dict | None = None
+    # fp16: {"skipped": steps skipped by loss scaling over the whole run, "scale": at the end}
+    loss_scale: dict | None = None
 
     def to_json(self) -> dict:
         return clean(asdict(self))

@@ -48,6 +48,17 @@ def test_memory_defaults_are_trains_fp32_and_its_optimizer(capsys):
     assert bf16["per_param"] == {"params": 2.0, "grads": 2.0, "optimizer": 12.0}
 
 
+def test_fp16_is_planned_as_bf16_and_named_so(capsys):
+    """fp16: 2-byte parameters and gradients and fp32 masters, as bf16 (activations too)."""
+    shape = ["--seq-len", "1024", "--hidden", "2048", "--layers", "24", "--heads", "16"]
+    fp16 = run_json(capsys, "plan", "memory", "1.3B", "--precision", "fp16", *shape, "--json")
+    bf16 = run_json(capsys, "plan", "memory", "1.3B", "--precision", "bf16", *shape, "--json")
+    assert fp16["precision"] == "fp16" and bf16["precision"] == "bf16"
+    assert fp16["per_param"] == bf16["per_param"] == {"params": 2.0, "grads": 2.0,
+                                                      "optimizer": 12.0}
+    assert fp16["stages"] == bf16["stages"] and fp16["activations"] == bf16["activations"]
+
+
 def test_precisions_and_auto_optimizer_are_trains():
     from gradsync.engine.strategy.registry import PRECISIONS as TRAIN_PRECISIONS
     from gradsync.train.config.train_config import TrainConfig

@@ -61,6 +61,9 @@ MODES = {
     "zero2-bf16": ("zero2", "bf16", {}, 2),
     "zero3": ("zero3", "fp32", {}, 2),
     "zero3-bf16": ("zero3", "bf16", {}, 2),
+    "ddp-fp16": ("ddp", "fp16", {}, 2),  # loss scaling: the flag, the fp32 sums, the scale
+    "zero1-fp16": ("zero1", "fp16", {}, 2),
+    "zero3-fp16": ("zero3", "fp16", {}, 2),
     "int8": ("ddp", "fp32", {"compress": "int8", "probe_every": 2}, 2),
     "powersgd": ("ddp", "fp32", {"compress": "powersgd:2"}, 2),
     "bf16-wire": ("ddp", "fp32", {"compress": "bf16"}, 2),

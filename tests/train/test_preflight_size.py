@@ -84,7 +84,8 @@ def test_140_kib_free_refuses_a_145_kb_checkpoint_fresh_and_resumed(saved, tmp_p
                                                                     monkeypatch):
     root, sizes = saved
     actual = sizes["about-145k"]["actual"]
-    assert 140 * 1024 < actual < 150_000, actual  # the size the probe saw: 145,792 bytes
+    # the size the probe saw: 145,792 bytes; 151,801 since every rank's RNG state is kept
+    assert 140 * 1024 < actual < 155_000, actual
     free = {"bytes": 140 * 1024}
     monkeypatch.setattr(guard, "free_space", lambda path: free["bytes"])
     kw = MODES["about-145k"]

@@ -49,13 +49,13 @@ def register(subparsers, help_line: str):
                    help="as gradsync train's: auto (adamw; sgd for mlp), adamw, sgd (momentum "
                    "0.9), sgd-plain (no momentum) (default: auto)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                   help="as gradsync train's: fp32, or bf16 (bf16 parameters and gradients, "
-                   "fp32 master copy) (default: fp32)")
+                   help="as gradsync train's: fp32, bf16 or fp16 (16-bit parameters and "
+                   "gradients, fp32 master copy) (default: fp32)")
     p.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
                    help=argparse.SUPPRESS)  # before --precision existed; now the default
     p.add_argument("--fp32-grad-accum", action="store_true",
-                   help="with --precision bf16: keep an extra fp32 gradient (20P with Adam; "
-                   "DeepSpeed's 2P+18P/N)")
+                   help="with --precision bf16 or fp16: keep an extra fp32 gradient (20P "
+                   "with Adam; DeepSpeed's 2P+18P/N)")
     p.add_argument("--device-memory", metavar="SIZE", help="e.g. 80GB, 24GiB: fits verdict")
     g = p.add_argument_group("activations (transformer shape; give all of them)")
     g.add_argument("--micro-batch", type=int, default=1)
@@ -73,7 +73,8 @@ def register(subparsers, help_line: str):
 def run(args) -> int:
     positive(args.workers, "--workers")
     if args.precision == "fp32" and args.fp32_grad_accum:
-        raise UsageError("--fp32-grad-accum applies to mixed precision: add --precision bf16")
+        raise UsageError("--fp32-grad-accum applies to mixed precision: add --precision bf16 "
+                         "(or fp16)")
     count, source = resolve_param_count(args.model)
     optimizer = train_optimizer(args.optimizer, args.model)
     shape_flags = (args.seq_len, args.hidden, args.layers, args.heads)
@@ -86,7 +87,7 @@ def run(args) -> int:
                                      ACTIVATION_ITEMSIZE[args.precision])
     device = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
     plan = plan_memory(count, args.workers, optimizer, args.precision != "fp32",
-                       args.fp32_grad_accum, activation, device)
+                       args.fp32_grad_accum, activation, device, args.precision)
     if args.json:
         print_json(plan)
     else:

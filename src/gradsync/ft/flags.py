@@ -34,15 +34,17 @@ def check_ft(cfg) -> None:
                 f"--strategy {cfg.strategy}"),
                (cfg.compress != "none", f"--compress {cfg.compress}"),
                (cfg.balance != "off", f"--balance {cfg.balance}"),
+               # fp16's overflow verdict is taken inside each group, before the groups' sum
+               (cfg.precision == "fp16", "--precision fp16"),
                (cfg.baseline, "--baseline"),
                (cfg.collectives not in ("native", "auto"), f"--collectives {cfg.collectives}")]
     for bad, flag in refused:
         if bad:
             raise UsageError(f"{flag} does not combine with --ft-groups yet: across replica "
                              "groups gradsync sums the exact gradient of --strategy ddp or "
-                             "zero1-3 (--sync exact, diloco or streaming-diloco, --compress "
-                             "none, --balance off, --collectives native or auto); see "
-                             "docs/fault_tolerance.md")
+                             "zero1-3 (--sync exact, diloco or streaming-diloco, --precision "
+                             "fp32 or bf16, --compress none, --balance off, --collectives "
+                             "native or auto); see docs/fault_tolerance.md")
     for name in ("sync_warmup", "outer_momentum_warmup", "sync_every_max", "sync_eager"):
         if getattr(cfg, name):  # a group's outer syncs are due every --sync-every (local_groups.py)
             raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} does not combine "

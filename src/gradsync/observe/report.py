@@ -96,9 +96,13 @@ def _key_numbers(run: RunData) -> list[tuple[str, str]]:
             ("samples / s (median step)", _fmt(med("samples_per_s"), ",.1f"))]
     if med("tokens_per_s"):
         rows.append(("tokens / s (median step)", _fmt(med("tokens_per_s"), ",.0f")))
-    skipped = [r["step"] for r in m if r.get("skipped")]
+    skipped = [r["step"] for r in m if r.get("skipped") and not r.get("overflow")]
     if skipped:
         rows.append(("steps skipped (NaN/inf)", ", ".join(map(str, skipped))))
+    if any(r.get("loss_scale") for r in m):  # fp16 (engine/sync/loss_scale.py)
+        n = sum(1 for r in m if r.get("overflow"))
+        rows.append(("loss scaling (fp16)", f"{n} step{'s' * (n != 1)} skipped by loss scaling "
+                     f"(last scale {m[-1].get('loss_scale') or 0:g})"))
     if s.get("resumed_from"):
         rows.append(("resumed from step", str(s["resumed_from"])))
     segs = segments(m, run.events)

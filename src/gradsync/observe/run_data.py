@@ -170,7 +170,7 @@ def summary_from_metrics(run: RunData) -> dict:
         "resumed_from": max((e.get("step", 0) for e in run.events), default=0),
         "world_sizes": c.get("world_sizes"), "median_step_s": median,
         "samples_per_s": c["global_batch"] / median if median and c.get("global_batch") else None,
-        "skipped_steps": [r["step"] for r in m if r.get("skipped")],
+        "skipped_steps": [r["step"] for r in m if r.get("skipped") and not r.get("overflow")],
         "drift": drift if isinstance(drift, dict) else None,
         "rebuilt": f"from {METRICS} and {CONFIG}",
     }

@@ -16,7 +16,11 @@ With fp32 gradient accumulation the gradient block is 2P + 4P = 6P (20P in all).
 ``--precision fp32`` (4-byte parameters and gradients, which are their own master
 copy: Adam 4 + 4 + 8 = 16P, the same total split differently, and ZeRO-1/2 shard
 less of it) and the optimizer ``--optimizer auto`` stands for (AdamW; SGD with
-momentum 0.9 for the built-in mlp). ``--precision bf16`` is the paper's accounting.
+momentum 0.9 for the built-in mlp). ``--precision bf16`` is the paper's accounting, and
+``--precision fp16`` counts the same 2-byte parameters and gradients (it also keeps
+the fp32 sum of the gradient from the end of backward to the step, where bf16 rounds
+it into its 2-byte gradient: a transient the paper's count leaves out, like
+DeepSpeed's fp32 partition below; ``--fp32-grad-accum`` adds it to the gradients).
 The optimizer names are train's: ``sgd`` keeps a momentum buffer (4 B), as train's
 ``sgd`` does; ``sgd-plain`` (no momentum) keeps none.
 
@@ -63,10 +67,10 @@ STATE_BYTES = {"adamw": 8.0, "adam": 8.0, "sgd": 4.0, "sgd-momentum": 4.0, "sgd-
 """Optimizer state per parameter in fp32: Adam's m and v; SGD's momentum buffer (train's
 ``sgd`` is momentum 0.9, so ``sgd`` here keeps one too; ``sgd-plain`` has none)."""
 CHECKPOINTING = ("none", "selective", "full")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 """``gradsync train --precision``'s choices (a test holds the two lists equal; the planner
 does not import the engine's registry, which imports torch)."""
-ACTIVATION_ITEMSIZE = {"fp32": 4, "bf16": 2}
+ACTIVATION_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -168,7 +172,7 @@ class MemoryPlan:
     device_memory: float | None
     stages: tuple[StageMemory, ...] = field(default_factory=tuple)
     optimizer: str = "adam"
-    precision: str = "bf16"  # "bf16": 16-bit params/grads + fp32 master copy; "fp32"
+    precision: str = "bf16"  # "bf16"/"fp16": 16-bit params/grads + fp32 master copy; "fp32"
 
     def stage(self, name: str) -> StageMemory:
         return next(s for s in self.stages if s.stage == name)
@@ -182,8 +186,12 @@ def plan_memory(
     fp32_grad_accum: bool = False,
     activation: ActivationShape | None = None,
     device_memory: float | None = None,
+    precision: str | None = None,
 ) -> MemoryPlan:
-    """Per-device bytes of DP and ZeRO-1/2/3, activations and a fits verdict."""
+    """Per-device bytes of DP and ZeRO-1/2/3, activations and a fits verdict.
+
+    ``precision`` names the plan (default "bf16" with ``mixed_precision``, else "fp32");
+    "fp16" is counted as "bf16" (2-byte parameters and gradients, fp32 masters)."""
     if num_params <= 0:
         raise UsageError(f"parameter count must be > 0, got {num_params}")
     if world_size <= 0:
@@ -204,7 +212,7 @@ def plan_memory(
         fits = None if device_memory is None else total <= device_memory
         stages.append(StageMemory(name, p, g, o, act, total, fits))
     return MemoryPlan(int(num_params), int(world_size), bpp, act, device_memory, tuple(stages),
-                      optimizer, "bf16" if mixed_precision else "fp32")
+                      optimizer, precision or ("bf16" if mixed_precision else "fp32"))
 
 
 def deepspeed_zero2_estimate(num_params: float, world_size: int, legacy: bool = False) -> float:

@@ -236,9 +236,10 @@ class BucketAccess:
 
     def unwrap(self) -> torch.nn.Module:
         """Remove every hook and give gradients their own storage; returns the module."""
-        for h in self._hooks:
+        for h in [*self._hooks, *getattr(self, "_accumulator_handles", ())]:
             h.remove()
         self._hooks.clear()
+        self._accumulator_handles = []
         for b in self._layout.buckets:
             b.detach_grads()
         return self.module

@@ -75,6 +75,11 @@ class BucketReduction:
     def reset(self) -> None:
         """A sync failed after communication: drop per-window state."""
 
+    def synced_grads(self) -> tuple[list[torch.Tensor], bool]:
+        """After :meth:`complete`: the synchronised gradient this rank holds, and whether
+        it is sharded (different on every rank). Loss scaling checks it for overflow."""
+        return [b.buffer[:b.spec.numel] for b in self.dp.buckets], False
+
 
 class AllReduceBuckets(BucketReduction):
     """Sum every bucket over the ranks and divide; ``.grad`` stays a view into the bucket.

@@ -129,8 +129,8 @@ class DataParallel(GradientArrivals, DDPMethods, BucketAccess, SyncedModule):
         self._install(self._layout.plan())
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(self._params)]
-        self._accumulators, handles = hook_accumulators(self._params, self._pass_may_start)
-        self._hooks += handles
+        self._accumulator_handles: list = []
+        self._hook_accumulators()
         self._register_load_state_dict_pre_hook(accept_module_keys)
 
     # ------------------------------------------------------------------ layout
@@ -208,7 +208,22 @@ class DataParallel(GradientArrivals, DDPMethods, BucketAccess, SyncedModule):
         if defined:
             self._written[i] = True
 
+    def _hook_accumulators(self) -> None:
+        """(Re)register the pre-accumulation hooks on every parameter's accumulator.
+
+        torch replaces a parameter's accumulator when its data changes dtype or device
+        (``p.data = p.data.to(torch.bfloat16)``, as mixed precision does after the
+        wrapper is built): hooks on the old node never fire again, and a window that
+        re-pointed ``.grad`` at a bucket view would read "nothing accumulated"."""
+        for h in self._accumulator_handles:
+            h.remove()
+        self._accumulators, self._accumulator_handles = hook_accumulators(
+            self._params, self._pass_may_start)
+        self._hooked_as = [(p.dtype, p.device) for p in self._params]
+
     def _set_aside(self) -> None:
+        if [(p.dtype, p.device) for p in self._params] != self._hooked_as:
+            self._hook_accumulators()
         self._written = [False] * len(self._params)  # per window, as the views re-pointed
         self._reduction.set_aside()
 
@@ -256,6 +271,13 @@ class DataParallel(GradientArrivals, DDPMethods, BucketAccess, SyncedModule):
             self._relayout(self._layout.rebuild(order))
         elif self._layout.tuning:
             self._relayout(self._layout.autotune_step(time.perf_counter() - self._pass_t0))
+
+    def _synced_grads(self):
+        grads, sharded = self._reduction.synced_grads()
+        return grads, self.group, sharded
+
+    def _drop_grads(self) -> None:
+        self.zero_grad(set_to_none=True)  # the reduction's shards (ZeRO) go with them
 
     def _relayout(self, specs: list[BucketSpec] | None) -> None:
         if specs is not None:

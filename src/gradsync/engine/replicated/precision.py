@@ -10,6 +10,12 @@ sharded strategies keep the fp32 master in this rank's shard only and cast it to
 summing many ranks' bf16 gradients in bf16 loses low bits at every addition (the
 "bf16 reduction instability" users report), so the default reduces in fp32 and
 rounds once afterwards.
+
+fp16 has bf16's mantissa and more, but a 5-bit exponent: small gradients underflow
+in backward. ``param_dtype=torch.float16`` therefore comes with dynamic loss scaling
+(``loss_scale``, ``sync/loss_scale.py``; arXiv 1710.03740), and its reduced gradient
+stays in ``reduce_dtype`` until the fp32 master takes it (rounded back into fp16,
+an unscaled mean gradient below 2**-14 would lose bits and below 2**-24 vanish).
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from ...errors import UsageError
+from ..sync.loss_scale import LossScale
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -30,17 +39,37 @@ class MixedPrecision:
         gradients autograd produces).
     reduce_dtype: dtype gradients are summed across ranks in.
     cast_inputs: cast floating-point tensors passed to the model to ``param_dtype``.
+    loss_scale: a :class:`LossScale` (the loss is scaled inside ``backward(loss,
+        num_items=n)`` and divided out at the sync; an overflowing step is skipped on
+        every rank). None: the dtype's default -- ``LossScale()`` for float16, none
+        for the others (bf16 has fp32's exponent range; a scale may still be given).
     """
 
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype = torch.float32
     cast_inputs: bool = True
+    loss_scale: LossScale | None = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
             v = getattr(self, name)
             if v not in _FLOATS:
                 raise ValueError(f"MixedPrecision.{name} must be a floating dtype, got {v!r}")
+        if self.loss_scale is None and self.param_dtype == torch.float16:
+            object.__setattr__(self, "loss_scale", LossScale())
+        if self.loss_scale is not None and not isinstance(self.loss_scale, LossScale):
+            raise UsageError(f"MixedPrecision.loss_scale must be a gradsync.LossScale or None, "
+                             f"got {self.loss_scale!r}")
+        if self.param_dtype == torch.float16 and self.reduce_dtype == torch.float16:
+            raise UsageError("MixedPrecision(param_dtype=float16) reduces in float32 or float64: "
+                             "an fp16 sum of loss-scaled gradients overflows and its unscaled "
+                             "mean underflows; leave reduce_dtype at its default")
+
+    @property
+    def wide_grads(self) -> bool:
+        """The synchronised gradient stays in ``reduce_dtype`` rather than being rounded
+        into the parameters' dtype: fp16 (see the module docstring)."""
+        return self.param_dtype == torch.float16
 
 
 def master_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -93,7 +122,8 @@ def cast_inputs_hook(dtype: torch.dtype):
 
 
 def parse_precision(precision: str) -> MixedPrecision | None:
-    """``"fp32"`` -> None (no policy), ``"bf16"`` / ``"fp16"`` -> a policy (CLI flag)."""
+    """``"fp32"`` -> None (no policy), ``"bf16"`` / ``"fp16"`` -> a policy (CLI flag);
+    fp16's carries the default :class:`LossScale`."""
     table = {"fp32": None, "bf16": MixedPrecision(torch.bfloat16),
              "fp16": MixedPrecision(torch.float16)}
     if precision not in table:

@@ -20,10 +20,12 @@ from ..transport import comm
 def clip_grad_norm_(target, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip the gradient of ``target`` to global norm ``max_norm``; return the norm.
 
-    ``target``: a ZeroOptimizer, a FullyShardedDataParallel, a DataParallel or any
-    module/iterable of parameters (then torch's own function is used). An infinite
-    ``max_norm`` only measures: no gradient is rewritten (torch's function would
-    multiply every gradient by 1.0, a pass over all of them each step).
+    ``target``: a ZeroOptimizer, a FullyShardedDataParallel, a DataParallel, a
+    MixedPrecisionOptimizer (its own method: with fp16 the gradient it steps is the
+    fp32 sum, not the parameters' ``.grad``) or any module/iterable of parameters
+    (then torch's own function is used). An infinite ``max_norm`` only measures: no
+    gradient is rewritten (torch's function would multiply every gradient by 1.0, a
+    pass over all of them each step).
     """
     if float(norm_type) != 2.0:
         raise ValueError("gradsync.clip_grad_norm_ supports norm_type=2 only")
@@ -31,6 +33,8 @@ def clip_grad_norm_(target, max_norm: float, norm_type: float = 2.0) -> torch.Te
     if shards_fn is None:  # a DataParallel whose reduction shards (ZeRO): its shards
         shards_fn = getattr(getattr(target, "_reduction", None), "grad_shards", None)
     if shards_fn is None:
+        if getattr(target, "wide_grads", None) is not None:  # MixedPrecisionOptimizer
+            return target.clip_grad_norm_(max_norm, norm_type)
         if isinstance(target, torch.optim.Optimizer):
             raise UsageError(f"clip_grad_norm_ takes a model, a ZeroOptimizer or parameters, "
                              f"not a {type(target).__name__}: pass the model")

@@ -26,7 +26,9 @@ def report_zero(zopt) -> MemoryReport:
             grads += lay.numel * buf.element_size()
             pad += lay.padding * buf.element_size()
         real = lay.real_numel(zopt.rank)
-        if zopt.stage == 2:
+        own = s.grad is not None and (  # stage 1 with fp16: an fp32 slice of its own
+            s.grad.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr())
+        if zopt.stage == 2 or own:
             a, b = split_real(s.grad, real)
             grads, pad = grads + a, pad + b
         if s.master.untyped_storage().data_ptr() != s.flat.untyped_storage().data_ptr():

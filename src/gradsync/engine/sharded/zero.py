@@ -57,7 +57,9 @@ class ZeroOptimizer(torch.optim.Optimizer, ZeroReduction):
         optimizer_class: e.g. ``torch.optim.AdamW``; see ``zero_shard.ELEMENTWISE``.
         stage: 1 (shard optimizer state) or 2 (also gradients).
         mixed_precision: a :class:`MixedPrecision`; the module's parameters are cast
-            to ``param_dtype`` and the fp32 master lives in the shard.
+            to ``param_dtype`` and the fp32 master lives in the shard. With a
+            ``loss_scale`` (fp16's default) the model scales its loss and an overflowed
+            step arrives with no gradient shards, so ``step()`` changes nothing.
         collectives: ``"auto"`` (per backend, measured; see ``shard_comm``; follows a
             DataParallel built with ``collectives="hierarchical"``), ``"native"``
             (reduce-scatter/all-gather), ``"all_reduce"``, ``"pairwise"``
@@ -105,6 +107,8 @@ class ZeroOptimizer(torch.optim.Optimizer, ZeroReduction):
                 model.module.register_forward_pre_hook(
                     cast_inputs_hook(mixed_precision.param_dtype), with_kwargs=True)
         model.set_reduction(self)  # re-creates the (padded) bucket buffers
+        if mixed_precision is not None and mixed_precision.loss_scale is not None:
+            model.use_loss_scale(mixed_precision.loss_scale)  # fp16: sync/loss_scale.py
         self._shards = [BucketShard(b, self.world, self.rank, originals) for b in model.buckets]
         pieces = [t for s in self._shards for t in s.view.tensors]
         if group_of is not None:

@@ -14,6 +14,11 @@ A mixin of :class:`~gradsync.engine.sharded.zero.ZeroOptimizer`: it reads the
 optimizer's ``_shards`` (:class:`~gradsync.engine.sharded.zero_shard.BucketShard`),
 ``stage``, ``comm``, ``rank``, ``world``, ``group``, ``mixed_precision``, ``model``
 and the ``_synced`` / ``_stepped`` flags, which ZeroOptimizer sets up.
+
+With fp16 parameters the divided slice stays in ``reduce_dtype`` (fp32) instead of
+being rounded into the bucket's dtype (``MixedPrecision.wide_grads``): loss scaling
+has already been divided out, and fp16 would lose the small values of the unscaled
+mean. The slice is 1/N of the bucket, so this costs 2 bytes per parameter over N.
 """
 
 from __future__ import annotations
@@ -91,8 +96,9 @@ class ZeroReduction(BucketReduction):
             self._synced = True
 
     def complete(self, divisor: float, used: list[bool]) -> None:
+        wide = self.mixed_precision is not None and self.mixed_precision.wide_grads
         for s in self._shards:
-            if self.stage == 1:
+            if self.stage == 1 and not wide:
                 red, target = s.reduced, s.bucket.buffer[s.start:s.end]
                 if red.data_ptr() == target.data_ptr():
                     target.div_(divisor)
@@ -101,7 +107,8 @@ class ZeroReduction(BucketReduction):
                 s.grad = target
             else:
                 part = s.partial if s.partial is not None else s.reduced
-                s.grad = part.div_(divisor).to(s.bucket.buffer.dtype, copy=True)
+                part.div_(divisor)
+                s.grad = _own(part) if wide else part.to(s.bucket.buffer.dtype, copy=True)
             s.has_grad = [used[i] for i in s.bucket.spec.params]
             if s.aside is not None:
                 s.grad.add_(s.aside[0])
@@ -130,5 +137,17 @@ class ZeroReduction(BucketReduction):
         for s in self._shards:
             s.reduced = s.src = s.pending = s.partial = None
 
+    def synced_grads(self) -> tuple[list[torch.Tensor], bool]:
+        """This rank's gradient shards: a different piece on every rank."""
+        return [s.grad for s in self._shards if s.grad is not None], True
+
     def _reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.mixed_precision.reduce_dtype if self.mixed_precision else dtype
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in storage of its own size (a slice of a whole reduced bucket would keep the
+    bucket alive)."""
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone()

@@ -1,6 +1,6 @@
 """Strategy: one object for "how this run synchronises", whatever the way.
 
-``gradsync train --strategy ddp|zero1|zero2|zero3 --precision fp32|bf16`` maps its
+``gradsync train --strategy ddp|zero1|zero2|zero3 --precision fp32|bf16|fp16`` maps its
 flags one-to-one onto :func:`~gradsync.engine.strategy.registry.build_strategy`,
 which returns a :class:`Strategy`. The training loop, checkpoints and reports talk
 to that object only, so none of them probes types: the model (``backward(loss,
@@ -30,6 +30,7 @@ from torch import nn
 from ...errors import UsageError
 from ..replicated.memory_report import MemoryReport, report_data_parallel
 from ..sharded.clip import clip_grad_norm_ as _clip
+from ..sync.loss_scale import LossScaler
 
 
 class Strategy:
@@ -37,7 +38,7 @@ class Strategy:
 
     Attributes:
         name: the registry name (``ddp``, ``zero2``, ...).
-        precision: ``fp32`` or ``bf16``.
+        precision: ``fp32``, ``bf16`` or ``fp16``.
         model: the wrapped model: ``model(x)``, ``model.backward(loss, num_items=n)``,
             ``model.no_sync()``, ``model.module`` (the unwrapped module).
         optimizer: steps the parameters this rank updates.
@@ -71,6 +72,13 @@ class Strategy:
         return self.model.module
 
     # ----------------------------------------------------------------- training
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """fp16's loss scale (``engine/sync/loss_scale.py``): its ``verdict`` says whether
+        the last synchronised backward overflowed (its gradients were then dropped, on
+        every rank). None without loss scaling."""
+        return getattr(self.model, "loss_scaler", None)
+
     def _clip_target(self):
         return self.model
 
@@ -86,8 +94,12 @@ class Strategy:
 
         ``None``, 0 or ``inf`` only measure it (the norm is what a non-finite check
         reads). Sharded gradients sum their squared norms with one all-reduce, so
-        every rank gets the same number.
+        every rank gets the same number. After a sync loss scaling found non-finite
+        (its gradients dropped): inf, with no work and no collective.
         """
+        scaler = self.loss_scaler
+        if scaler is not None and scaler.dropped:
+            return torch.full((), math.inf, device=self.model._header_buf.device)
         limit = math.inf if not max_norm else float(max_norm)
         return _clip(self._clip_target(), limit)
 
@@ -156,10 +168,17 @@ class Strategy:
 
     def extra_state(self) -> dict:
         """Strategy state beyond model and optimizer (saved by rank 0: keep it identical
-        on every rank). Empty for exact synchronisation."""
-        return {}
+        on every rank). For exact synchronisation only the loss scale, with fp16 (every
+        rank's is the same: the verdicts agree)."""
+        scaler = self.loss_scaler
+        return {"loss_scale": scaler.state_dict()} if scaler is not None else {}
 
     def load_extra_state(self, state: dict) -> None:
-        if state:
+        state = dict(state)
+        scaler, scale = self.loss_scaler, state.pop("loss_scale", None)
+        if scale is not None and scaler is not None:
+            scaler.load_state_dict(scale)
+        elif scale is not None or state:
+            held = sorted([*state, "loss_scale"] if scale is not None else state)
             raise UsageError(f"strategy {self.name} keeps no extra state, but the checkpoint "
-                             f"holds {sorted(state)}")
+                             f"holds {held}")

@@ -25,7 +25,13 @@ from .base import Strategy
 
 
 class DataParallelStrategy(Strategy):
-    """``ddp``: replicate everything (bf16: fp32 master copy, MixedPrecisionOptimizer)."""
+    """``ddp``: replicate everything (bf16/fp16: fp32 master copy, MixedPrecisionOptimizer)."""
+
+    def _clip_target(self):
+        opt = self.optimizer  # fp16: the masters step the fp32 sum, not the fp16 .grad
+        if isinstance(opt, MixedPrecisionOptimizer) and opt.wide_grads:
+            return opt
+        return self.model
 
     def zero_grad(self) -> None:
         """The buckets zeroed in place and ``.grad`` None (DataParallel.zero_grad): the

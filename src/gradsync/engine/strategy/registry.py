@@ -19,7 +19,7 @@ from .base import Strategy
 from .builders import build_ddp, build_fsdp, build_zero
 from .options import SyncOptions
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 StrategyBuilder = Callable[..., Strategy]
 STRATEGIES: dict[str, StrategyBuilder] = {"ddp": build_ddp, "zero1": build_zero(1),
@@ -47,10 +47,10 @@ def build_strategy(module: nn.Module, strategy: str, precision: str, optimizer_c
     """Wrap ``module`` and build its optimizer; returns a :class:`Strategy`.
 
     strategy: a name in :data:`STRATEGIES` (``ddp`` | ``zero1`` | ``zero2`` | ``zero3``);
-    precision: ``fp32`` | ``bf16``. ``bucket_cap_mb`` is the gradient bucket cap
-    (DDP, ZeRO-1/2; ``bucket_mb`` is an older spelling of it); ``wrap`` the stage-3
-    units; ``sync`` how gradients travel (:class:`SyncOptions`: exact by default;
-    compression, local updates, hierarchical collectives); ``find_unused_parameters``
+    precision: ``fp32`` | ``bf16`` | ``fp16`` (with dynamic loss scaling). ``bucket_cap_mb``
+    is the gradient bucket cap (DDP, ZeRO-1/2; ``bucket_mb`` is an older spelling of it);
+    ``wrap`` the stage-3 units; ``sync`` how gradients travel (:class:`SyncOptions`: exact
+    by default; compression, local updates, hierarchical collectives); ``find_unused_parameters``
     as DataParallel's (passed to a builder only when set, so a registered builder
     without it keeps working); ``outer_sync`` (local updates only, passed likewise): a
     factory ``(module, inner_optimizer, outer_optimizer, sync) -> DiLoCo`` that makes

@@ -36,11 +36,18 @@ only intended difference is the divisor (the global item count with
    it ran the forward or not; it replays the collectives with zeros and counts
    as "not used" for rule 1.
 6. Inputs that run out at different iterations: ``model.join()`` (``join.py``).
+
+With loss scaling (fp16, ``loss_scale.py``) the scale is applied here too:
+``backward(loss, num_items=n)`` multiplies by ``n * scale``, the sync divides by the
+global count times the scale, and the end of the sync reads one overflow flag and
+drops the gradients of an overflowed step on every rank alike.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -51,6 +58,7 @@ from ...errors import UnusedParametersError, UsageError
 from ..transport import comm, host, tracing
 from .item_window import as_count
 from .join import Join
+from .loss_scale import LossScale, LossScaler
 from .protocol import SyncProtocol, tensors_in
 from .replicas import broadcast_tensors, check_module_device
 from .shadow import Shadow
@@ -88,6 +96,23 @@ class SyncedModule(Shadow, SyncProtocol, nn.Module):
                                        device=comm_device(group))
         self._header_pending: comm.Pending | None = None
         self._join_state: Join | None = None  # the open join() context
+        self.loss_scaler: LossScaler | None = None  # fp16's loss scale (use_loss_scale)
+        self._warned_fp16_loss = False
+
+    def use_loss_scale(self, config: LossScale) -> LossScaler:
+        """Scale the loss in :meth:`backward` and divide it out at the sync (``loss_scale.py``).
+
+        Called by what builds the fp32 masters (MixedPrecisionOptimizer, ZeroOptimizer,
+        FullyShardedDataParallel) when its ``MixedPrecision`` carries a ``loss_scale``.
+        """
+        if self.loss_scaler is not None:
+            raise UsageError("this model already has a loss scale (wrapped by two optimizers "
+                             "with mixed precision?)")
+        if self._in_pass or self._window_joined:
+            raise UsageError("use_loss_scale() called inside an accumulation window: "
+                             "build the optimizer before the first backward")
+        self.loss_scaler = LossScaler(config)
+        return self.loss_scaler
 
     # ------------------------------------------------------------ small collectives
     def _launch_header(self, group) -> None:
@@ -156,11 +181,18 @@ class SyncedModule(Shadow, SyncProtocol, nn.Module):
         zero contribution, so ranks with uneven data never leave others waiting;
         the forward may have run or not. Without ``num_items`` this is
         ``loss.backward()``: DDP's convention (divide by the world size).
+
+        With a loss scale (fp16) the loss is multiplied by ``num_items * scale`` here and
+        the scale divided out at the sync, exactly (a power of two); ``num_items`` is
+        then required.
         """
+        scaler = self.loss_scaler
         if num_items is None:
             if loss is None:
                 raise UsageError(
                     "backward() needs a loss (or num_items=0 for an empty micro-batch)")
+            if scaler is not None:
+                raise UsageError(_PLAIN_UNDER_SCALING)
             loss.backward(**backward_kwargs)
             return
         n = as_count(num_items)
@@ -172,8 +204,25 @@ class SyncedModule(Shadow, SyncProtocol, nn.Module):
         with self._window.item_pass(n):
             if n == 0:
                 self._empty_pass(loss, backward_kwargs)
-            else:
+            elif scaler is None:
                 (loss * n).backward(**backward_kwargs)
+            else:
+                self._scaled(loss, n * scaler.scale).backward(**backward_kwargs)
+
+    def _scaled(self, loss: torch.Tensor, factor: float) -> torch.Tensor:
+        """``loss * factor`` in at least fp32 (an fp16 product overflows at once). The
+        gradient reaching an fp16 loss is still ``factor`` rounded to fp16, which
+        overflows past 65504: the loss belongs in fp32 (arXiv 1710.03740, section 3.3:
+        reductions such as a softmax cross-entropy in fp32)."""
+        if loss.dtype == torch.float16 and not self._warned_fp16_loss:
+            self._warned_fp16_loss = True
+            warnings.warn("gradsync: the loss is float16; with loss scaling its gradient "
+                          "(num_items * scale) overflows fp16 and the scale backs off far "
+                          "below what the model needs. Compute the loss in float32, e.g. "
+                          "F.cross_entropy(logits.float(), y)", stacklevel=3)
+        if loss.dtype in (torch.float16, torch.bfloat16):
+            loss = loss.float()
+        return loss * factor
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -264,9 +313,35 @@ class SyncedModule(Shadow, SyncProtocol, nn.Module):
         except UsageError:
             self._sync_reset()
             raise
+        scaler = self.loss_scaler
+        if scaler is not None and self._window.closed_plain:  # the same sums on every rank
+            self._sync_reset()
+            raise UsageError(_PLAIN_UNDER_SCALING)
         if collected.used is not None:
             used = [bool(u > 0) for u in host.read(collected.used).tolist()]
         else:
             used = [True] * len(trainable)
         used = [u and t for u, t in zip(used, trainable)]
-        self._sync_complete(divisor, used)
+        if scaler is None:
+            self._sync_complete(divisor, used)
+            return
+        self._sync_complete(divisor * scaler.scale, used)  # exact: a power of two
+        if scaler.record(self._synced_grads_finite()) != "finite":
+            self._drop_grads()
+
+    def _synced_grads_finite(self) -> bool:
+        """Whether the synchronised gradient is finite everywhere, the same answer on every
+        rank: one device flag, read once per sync (summed over the group when sharded)."""
+        grads, group, sharded = self._synced_grads()
+        flag = torch.zeros(1, dtype=torch.float64, device=self._header_buf.device)
+        for g in grads:
+            flag += g.sum(dtype=torch.float64)  # inf and NaN survive a sum; finite cannot overflow
+        if sharded:
+            comm.all_reduce(flag, group, tag="overflow")
+        return math.isfinite(float(host.read(flag)[0]))
+
+
+_PLAIN_UNDER_SCALING = (
+    "with loss scaling (fp16) the engine scales the loss: call model.backward(loss, "
+    "num_items=n) on every rank and micro-step (a plain loss.backward() is not scaled, "
+    "and its gradient would be divided by the scale all the same)")

@@ -34,6 +34,7 @@ class ItemWindow:
         self.world_size, self.rank = world_size, rank
         self.items, self.item_passes, self.plain_passes = 0, 0, 0
         self._counted = False  # the running pass is already counted
+        self.closed_plain = False  # the last closed window held plain passes (on any rank)
 
     @contextlib.contextmanager
     def item_pass(self, n: int):
@@ -106,6 +107,7 @@ class ItemWindow:
         items = hi * _DIGIT + lo
         mine = (self.item_passes, self.plain_passes)
         self.reset()
+        self.closed_plain = bool(plain_passes)
         if item_passes and plain_passes:
             raise UsageError(
                 f"this accumulation window mixed backward(loss, num_items=n) ({int(item_passes)} "

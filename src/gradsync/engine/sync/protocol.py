@@ -74,6 +74,18 @@ class SyncProtocol:
     def _sync_reset(self) -> None:
         """A sync failed after its collectives completed: forget this pass's state."""
 
+    def _synced_grads(self) -> tuple[list[torch.Tensor], object, bool]:
+        """After ``_sync_complete``: (the synchronised gradient this rank holds, the group
+        it is sharded over, whether it is sharded). Loss scaling's overflow check reads
+        it (``loss_scale.py``): a replicated gradient is the same on every rank; a
+        sharded one needs its flag summed over the group."""
+        raise NotImplementedError
+
+    def _drop_grads(self) -> None:
+        """Loss scaling found the synchronised gradient non-finite: drop it (``.grad``
+        None, shards gone), so the step that follows changes nothing."""
+        raise NotImplementedError
+
     def _hold_gradients(self) -> None:
         """Before an empty rank's backward through its graph: keep gradients where
         autograd cannot accumulate into them in place (what arrives is checked first)."""

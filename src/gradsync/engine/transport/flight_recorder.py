@@ -1,6 +1,6 @@
 """The last N collectives of this process, written out when one of them fails.
 
-Like NCCL's flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``): a hang or a lost
+Like NCCL's flight recorder (``TORCH_FR_BUFFER_SIZE``): a hang or a lost
 peer ends in a backend error on the ranks that were waiting ("Timed out waiting
 3000ms for recv operation", "Connection closed by peer") that names neither the
 collective nor the rank that did not come. ``comm.py`` numbers every collective

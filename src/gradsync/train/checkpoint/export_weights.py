@@ -13,7 +13,7 @@ checkpoint keeps them:
 * DDP: the ``MixedPrecisionOptimizer``'s ``masters``, one per trainable parameter,
   in ``module.parameters()`` order (matched against the rebuilt model).
 
-Shard files are read only after their SHA-256 matched (``train/unit.py`` for a
+Shard files are read only after their SHA-256 matched (``train/checkpoint/unit.py`` for a
 checkpoint of format 3, the manifest's own record here for older ones), and only as
 data (:mod:`gradsync.safeload`: weights only, never code).
 """

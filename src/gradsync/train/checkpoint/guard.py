@@ -8,7 +8,7 @@ directory of a gradsync from before the marker is recognised by its checkpoint
 (verified next, as every checkpoint is) or its gradsync-shaped ``config.json``, and
 marked when a run takes it (:meth:`RunLock.claim`); ``--out`` cannot be written (tested by
 writing, since root ignores mode bits but not a read-only mount); its device has
-less free space than a save needs (``save_size.space_needed``: what the save writes
+less free space than a save needs (``checkpoint/size.space_needed``: what the save writes
 for this strategy, sync method and compressor, counted twice -- the previous
 checkpoint stays until the new one is complete -- less what the current checkpoint
 already occupies).

@@ -50,6 +50,8 @@ central headers, 64-byte alignment), its pickled reference and name, its CRC-32 
 FIXED = 6900
 """checkpoint.pt beyond its tensors and its configuration: the RNG state (5 KiB), the
 scheduler and sampler, the zip's own records."""
+RNG_STATE = 5056
+"""Bytes of torch's CPU generator state (``torch.get_rng_state()``)."""
 SHARD_FILE = 1450
 """One shard file beyond its tensors, and the manifest's line per tensor (below)."""
 MANIFEST_PER_TENSOR, MANIFEST = 80, 500
@@ -140,7 +142,9 @@ def estimate_save(cfg: RunConfig, model_fn: Callable | None = None,
     stored = _bf16 if bf16 and cfg.sync.strategy != "zero3" else None
     master = _fp32 if bf16 else None  # optimizer state lives on the fp32 masters
     nbytes = _nbytes(params, stored) + _nbytes(buffers)
-    count = len(params) + len(buffers) + 1  # + the RNG state
+    # + the RNG state; every other rank's too (rng_by_rank: each continues its own draws)
+    nbytes += (world - 1) * RNG_STATE
+    count = len(params) + len(buffers) + world
     shards = shard_tensors = 0
     optimizer = cfg.optim.optimizer_name
     if cfg.sync.strategy in ("zero1", "zero2", "zero3"):

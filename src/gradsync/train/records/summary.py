@@ -26,9 +26,11 @@ def _median(values: list[float]) -> float | None:
 
 
 def _skipped(sess: Session) -> list[int]:
-    """Steps whose update was skipped over the whole run (all attempts), from metrics.jsonl."""
+    """Steps whose update was skipped as non-finite over the whole run (all attempts), from
+    metrics.jsonl (a step skipped by loss scaling is counted apart, ``loss_scale``)."""
     rows, _ = read_metrics(os.path.join(sess.cfg.run.out, METRICS))
-    return sorted({r["step"] for r in rows if r.get("skipped")} | set(sess.skipped))
+    return sorted({r["step"] for r in rows if r.get("skipped") and not r.get("overflow")}
+                  | set(sess.skipped))
 
 
 def gradient_bytes(strategy) -> list[int] | None:
@@ -70,6 +72,10 @@ def build_summary(sess: Session) -> Summary:
     summary.gradient_bytes = gradient_bytes(strategy)
     summary.collectives = getattr(strategy, "collectives", None)
     rows, _ = read_metrics(os.path.join(cfg.run.out, METRICS))  # every attempt's steps
+    scaler = strategy.loss_scaler  # fp16: the steps its overflows skipped, the scale now
+    if scaler is not None:
+        summary.loss_scale = {"skipped": len({r["step"] for r in rows if r.get("overflow")}),
+                              "scale": scaler.scale}
     summary.fault_tolerance = sess.coordinator.summary(rows)  # across replica groups
     traffic = run_traffic(rows, summary.gradient_bytes)
     if traffic is not None:
@@ -121,6 +127,8 @@ def finish(sess: Session) -> dict | None:
         rows.insert(-1, ("resumed from step", str(s.resumed_from)))
     if s.skipped_steps:
         rows.insert(1, ("skipped steps (non-finite)", ", ".join(map(str, s.skipped_steps))))
+    if s.loss_scale:
+        rows.insert(-2, ("loss scaling (fp16)", loss_scale_line(s.loss_scale)))
     sess.display.summary(rows, title=f"gradsync train: {cfg.run.model} on {cfg.run.data} "
                                      f"({cfg.sync.strategy}, {cfg.sync.precision})")
     mem = sess.memory or sess.strategy.memory_report()
@@ -128,6 +136,13 @@ def finish(sess: Session) -> dict | None:
     if not cfg.observe.no_report:
         write_report_safely(cfg.run.out)
     return s.to_json()
+
+
+def loss_scale_line(figures: dict) -> str:
+    """"N steps skipped by loss scaling (scale now S)"."""
+    n = figures["skipped"]
+    return (f"{n} step{'s' * (n != 1)} skipped by loss scaling "
+            f"(scale now {figures['scale']:g})")
 
 
 def _traffic_line(cfg, s: Summary) -> str:

@@ -12,7 +12,11 @@ measured: the NaN guard reads it) and one all-gather of every rank's loss sum, i
 gradient norm and step figures. Every rank so learns the exact global mean loss
 and whether any rank saw a NaN or inf -- and decides alike: ``--on-nonfinite
 stop`` raises on every rank before the update (no checkpoint can hold a diverged
-model), ``skip-step`` drops the update on every rank.
+model), ``skip-step`` drops the update on every rank. With fp16 an overflowed gradient
+is first loss scaling's (``engine/sync/loss_scale.py``): the engine dropped it on every
+rank and halved the scale, the step is skipped and recorded (``overflow``), and
+``--on-nonfinite`` sees only a non-finite loss, or a gradient that overflowed even at
+the minimum scale.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -35,8 +40,8 @@ class NonFiniteError(GradsyncError):
     """A NaN or inf loss or gradient norm; raised on every rank before the update."""
 
 
-def _nonfinite(rows: list[list[float]], step: int) -> str | None:
-    for col, what in ((0, "loss"), (2, "gradient norm")):
+def _nonfinite(rows: list[list[float]], step: int, norms: bool = True) -> str | None:
+    for col, what in ((0, "loss"), (2, "gradient norm"))[:2 if norms else 1]:
         values = [row[col] for row in rows]
         ranks = [r for r, v in enumerate(values) if not math.isfinite(v)]
         if ranks:
@@ -113,19 +118,26 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
         total_items, loss_total = steps.totals(stats)
         global_loss = loss_total / max(total_items, 1)
         lr = strategy.optimizer.param_groups[0]["lr"]
-        problem = _nonfinite(rows, step) or steps.problem(global_loss, step)
+        scaler = strategy.loss_scaler  # fp16: an overflow is a step skipped, not a problem
+        overflow = scaler is not None and scaler.verdict == "overflow"
+        problem = _nonfinite(rows, step, norms=not overflow)
+        if problem and scaler is not None and scaler.verdict == "nonfinite":
+            problem += f" (it overflowed even at the minimum loss scale, {scaler.used:g})"
+        problem = problem or steps.problem(global_loss, step)
         if not steps.commit():  # a group failed: redo, same samples, next quorum
             sess.sampler.load_state_dict(before)
             strategy.zero_grad()
             return None
-        if problem is None:
+        if problem is None and not overflow:
             strategy.optimizer.step()
             strategy.after_step(int(total_items))
-        elif cfg.optim.on_nonfinite == "skip-step":
+        elif problem is not None and cfg.optim.on_nonfinite == "skip-step":
             sess.skipped.append(step)
         if step == cfg.run.steps:
             strategy.finish()
-        sess.sched.step()  # a skipped step still counts: the schedule follows step numbers
+        with warnings.catch_warnings():  # torch's "before optimizer.step()": fp16's first
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            sess.sched.step()  # a skipped step still counts: the schedule follows step numbers
         if step == cfg.run.steps:  # the summary's report: the step at its fullest,
             sess.memory = strategy.memory_report()  # gradients and optimizer state both held
         strategy.zero_grad()
@@ -140,8 +152,10 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
     sess.items_per_step = int(total_items)
     rate = total_items / step_s
     rec = StepRecord(step=step, loss=global_loss, lr=lr, items=int(total_items),
-                     world_size=steps.world_size, grad_norm=norm if problem is None else None,
-                     skipped=problem is not None, eval_loss=eval_loss,
+                     world_size=steps.world_size, grad_norm=None if problem or overflow else norm,
+                     skipped=problem is not None or overflow, eval_loss=eval_loss,
+                     overflow=(overflow and problem is None) or None,
+                     loss_scale=scaler.used if scaler is not None else None,
                      eval_metrics=eval_metrics,
                      time_s=time.perf_counter() - sess.loop_started, unix_time=time.time(),
                      samples_per_s=cfg.batch.global_batch / step_s,

@@ -46,7 +46,7 @@ from ...models import build_model
 from ..config.resolve import RunConfig
 from .builtins import DATASETS, split_held_out
 from .conventions import IGNORE_INDEX, causal_lm_layout, labelled, shifted_lm_loss
-from .conventions import logits as _logits
+from .conventions import loss_input as _logits
 from .conventions import shifted_token_items as _shifted_token_items
 from .conventions import stack as _stack
 from .eval_metrics import check_metrics

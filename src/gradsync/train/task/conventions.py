@@ -45,6 +45,14 @@ LABELS = "labels"
 LABEL_KEYS = (LABELS, "label")  # "label": renamed to "labels" by transformers' collators
 
 
+def loss_input(output):
+    """:func:`logits`, in fp32 when the model computed in fp16: a default loss reduces in
+    fp32 (arXiv 1710.03740, section 3.3), and with loss scaling the gradient reaching
+    an fp16 loss (items x scale) would overflow fp16 itself."""
+    out = logits(output)
+    return out.float() if out.dtype == torch.float16 else out
+
+
 def logits(output):
     """The tensor a default loss reads from ``output`` (see the module docstring)."""
     if isinstance(output, Mapping):
@@ -140,7 +148,7 @@ def causal_lm_layout(x, y) -> bool:
 def shifted_lm_loss(output, targets):
     """Cross-entropy of the logits at t against the label at t + 1 (transformers' causal
     LM loss), the mean over every shifted label that is not IGNORE_INDEX."""
-    out = logits(output)
+    out = loss_input(output)
     out = out[..., :-1, :]
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets[..., 1:].reshape(-1).long(),
                            ignore_index=IGNORE_INDEX)

@@ -78,7 +78,10 @@ class FullyShardedDataParallel(UnitHooks, SyncedModule):
         wrap: a set/tuple of module classes, or a predicate ``f(module) -> bool``,
             choosing the units (e.g. ``{Block}``); the rest belongs to the root unit.
         mixed_precision: a :class:`MixedPrecision`; gathered parameters and
-            gradients are in ``param_dtype``, shards stay fp32.
+            gradients are in ``param_dtype``, shards stay fp32. With a ``loss_scale``
+            (fp16's default) the loss is scaled in ``backward(loss, num_items=n)`` and
+            divided out into the fp32 gradient shards; an overflowed step leaves every
+            piece's ``.grad`` None, so any optimizer's ``step()`` changes nothing.
         prefetch: how many units ahead to start gathering (0: none).
         collectives: ``"auto"`` | ``"native"`` | ``"all_reduce"`` | ``"pairwise"``
             (see ``shard_comm``; ``"auto"`` is ``"pairwise"`` on gloo, ``"native"`` on NCCL).
@@ -148,6 +151,8 @@ class FullyShardedDataParallel(UnitHooks, SyncedModule):
         # kept gathered into backward (FSDP2 keeps the root; DeepSpeed's reuse distance,
         # what is needed again at once): the root and the last unit, whose backward is first
         self._keep_for_backward = set(map(id, root + rest[-1:]))
+        if mixed_precision is not None and mixed_precision.loss_scale is not None:
+            self.use_loss_scale(mixed_precision.loss_scale)  # fp16: sync/loss_scale.py
 
     # ------------------------------------------------------------------ core hooks
     def _run_forward(self, args, kwargs):
@@ -243,6 +248,15 @@ class FullyShardedDataParallel(UnitHooks, SyncedModule):
             u.grad, u.has_grad, u.aside = grad, has, None
             u.used = [False] * len(has)
             u.view.assign_grads(grad, has)
+
+    def _synced_grads(self):
+        return [u.grad for u in self._units if u.grad is not None], self._sum_group, True
+
+    def _drop_grads(self) -> None:
+        for u in self._units:
+            u.grad, u.aside = None, None
+            u.has_grad = [False] * len(u.has_grad)
+            u.view.clear_grads()
 
     def _sync_reset(self) -> None:
         for u in self._units:
