@@ -3,11 +3,12 @@
 Exposed communication is the time the training loop was *blocked* on a
 collective: the end of backward waiting for buckets still in flight, plus every
 synchronous collective (buffer broadcasts, the step's statistics gather, a drift
-check). It is read from the collective events' ``waited_s`` through
-:mod:`gradsync.engine.transport.comm`'s observer door, so it needs no tracer and no extra
-synchronisation; compute time is the step time minus it. Communication hidden
-behind backward costs nothing here, which is the point of overlapping
-(DDP paper, arXiv 2006.15704, section 3.2.3).
+check). It is the :class:`~gradsync.engine.transport.busy_clock.BusyClock`'s blocked
+time (read from the collective events through :mod:`gradsync.engine.transport.comm`'s
+observer door, GPU stalls timed by CUDA events), so it needs no tracer and no extra
+synchronisation; compute time is the step time minus it. Communication hidden behind
+backward costs nothing here, which is the point of overlapping (DDP paper, arXiv
+2006.15704, section 3.2.3).
 """
 
 from __future__ import annotations
@@ -17,51 +18,33 @@ import sys
 
 import torch
 
-from ..engine.transport import comm
+from ..engine.transport.busy_clock import BusyClock
 
 
-class StepMeter:
-    """Sums bytes sent and time blocked on collectives since the last ``reset()``.
+class StepMeter(BusyClock):
+    """Bytes sent, collectives completed and time blocked on them since the last ``reset()``.
 
-    Blocked: on the CPU the host's wait; on a GPU the compute stream's stall, timed by
-    CUDA events around the wait (the host returns from a NCCL wait at once, so its
-    clock measured enqueueing). Events are read without blocking: a stall whose events
-    have not completed when the step's figures are taken counts in the next step's.
+    The blocked time is the :class:`BusyClock`'s (the host's wait on the CPU, the compute
+    stream's stall on a GPU); this adds what a step's record counts besides it.
     """
 
     def __init__(self):
+        super().__init__()
         self.bytes = 0
-        self._exposed = 0.0
-        self._unread: list[comm.CollectiveEvent] = []
         self.collectives = 0
-        self._handle = comm.add_observer(self._on_comm)
 
-    def _on_comm(self, kind: str, ev: comm.CollectiveEvent) -> None:
-        if kind == "complete":
-            self.bytes += ev.nbytes
-            if ev.gpu_wait is None:
-                self._exposed += ev.waited_s
-            else:
-                self._unread.append(ev)
-            self.collectives += 1
+    def completed(self, ev) -> None:
+        self.bytes += ev.nbytes
+        self.collectives += 1
 
     @property
     def exposed_s(self) -> float:
-        waiting = []
-        for ev in self._unread:
-            s = ev.stream_wait_s()
-            if s is None:
-                waiting.append(ev)
-            else:
-                self._exposed += s
-        self._unread = waiting
-        return self._exposed
+        """Seconds blocked in collectives since the last :meth:`reset`."""
+        return self.blocked_s
 
     def reset(self) -> None:
-        self.bytes, self._exposed, self.collectives = 0, 0.0, 0
-
-    def close(self) -> None:
-        self._handle.remove()
+        self.start()
+        self.bytes, self.collectives = 0, 0
 
 
 def peak_memory_bytes(device: torch.device) -> int:
