@@ -29,7 +29,7 @@ from gradsync.rundir import METRICS, read_metrics
 from gradsync.train.launcher.api import take_factories
 from gradsync.train.records.callbacks import check_callbacks
 from gradsync.train.task.eval_metrics import check_metrics, metric_sums
-from gradsync.train.task.optim import FactoryOptimizer, own_scheduler, split_decay
+from gradsync.train.task.optim import own_scheduler, split_decay
 from gradsync.train.task.schedule import lr_factor
 from tests.train.factories import abs_error, normed64, positive, tensors, user_adamw
 from tests.train.test_world_size import _stream
@@ -199,56 +199,86 @@ def test_decay_rule_spares_biases_norms_and_scalars_not_embeddings():
                                            if k == "decay"} == set(NO_DECAY)
 
 
-def _factory_optimizer(factory=user_adamw, sharded=False, **cfg):
+@pytest.fixture()
+def one_rank():
+    """A process group of one rank, in this process (strategies are built inside one)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy, precision, sync", [
+    ("ddp", "fp32", "exact"), ("ddp", "bf16", "exact"), ("zero1", "fp32", "exact"),
+    ("zero2", "bf16", "exact"), ("zero3", "fp32", "exact"), ("ddp", "fp32", "diloco")])
+def test_named_groups_reach_every_strategy_in_one_factory_call(one_rank, strategy, precision,
+                                                               sync):
+    """The groups, by parameter name, are resolved by the engine for every strategy (the
+    module's own parameters, bf16's fp32 masters, ZeRO's and FSDP's pieces) and the
+    factory is called once, on them."""
+    from gradsync.engine.strategy.registry import build_strategy
+    from gradsync.train.task.optim import factory_optimizer, named_groups
+
     model = normed64()
-    config = gs.TrainConfig(model="tests.train.factories:normed64", data="teacher",
-                            out="unused", **cfg)
-    return model, FactoryOptimizer(factory, "f", 0.1, model, config.resolved(), sharded)
+    own = dict(model.named_parameters())
+    cfg = gs.TrainConfig(model="tests.train.factories:normed64", data="teacher", out="unused",
+                         weight_decay=0.2, betas="0.5,0.6", strategy=strategy,
+                         precision=precision, sync=sync).resolved()
+    calls = []
 
+    def factory(groups, lr):
+        calls.append([len(g["params"]) for g in groups])
+        return user_adamw(groups, lr)
 
-def test_groups_by_identity_by_position_and_through_the_wrapper():
-    model, fo = _factory_optimizer(weight_decay=0.2, betas="0.5,0.6")
-    opt = fo(model.parameters())  # the module's own parameters (ddp)
+    groups = named_groups(model, cfg)
+    built = build_strategy(model, strategy, precision,
+                           factory_optimizer(factory, "f", 0.1, strategy != "ddp"),
+                           sync=cfg.sync.options, param_groups=groups)
+    assert calls == [[2, 4]]
+    opt = built.optimizer
     assert [(g["name"], g["weight_decay"], g["betas"], len(g["params"]))
             for g in opt.param_groups] == [("decay", 0.2, (0.5, 0.6), 2),
                                            ("no_decay", 0.0, (0.5, 0.6), 4)]
-    masters = [p.detach().float() for p in model.parameters()]  # bf16's fp32 masters
-    opt = fo(masters)
-    assert [len(g["params"]) for g in opt.param_groups] == [2, 4]
-    assert opt.param_groups[0]["params"][0] is masters[0]
-    pieces = [nn.Parameter(p.detach().reshape(-1)) for p in model.parameters()]  # zero3's
-    placeholder = fo(pieces)
-    assert fo.placeholder is placeholder
-
-    class Wrapped:  # a strategy whose model resolves named groups (as FSDP does)
-        name, optimizer = "zero3", placeholder
-        model = type("M", (), {"param_groups": staticmethod(lambda groups: [
-            {**g, "params": [pieces[0]] if g["name"] == "decay" else pieces[1:]}
-            for g in groups])})()
-
-    strategy = Wrapped()
-    fo.finish(strategy)
-    assert isinstance(strategy.optimizer, torch.optim.AdamW) and fo.placeholder is None
-    assert [g["weight_decay"] for g in strategy.optimizer.param_groups] == [0.2, 0.0]
+    first = opt.param_groups[0]["params"][0]
+    if strategy == "ddp" and precision == "fp32":  # the module's own parameters
+        assert first is own[groups[0]["params"][0]]
+    elif precision == "bf16":  # fp32 masters (or master slices) of bf16 parameters
+        assert first.dtype == torch.float32
+        assert all(p.dtype == torch.bfloat16 for p in built.module.parameters())
 
 
 def test_factory_results_are_checked():
-    model, fo = _factory_optimizer(lambda groups, lr: "not an optimizer")
+    from gradsync.train.task.optim import factory_optimizer
+
+    model = normed64()
+    groups = [{"params": list(model.parameters())}]
     with pytest.raises(UsageError, match="not a torch.optim.Optimizer"):
-        fo(model.parameters())
+        factory_optimizer(lambda groups, lr: "not an optimizer", "f", 0.1, False)(groups)
     other = normed64()  # a factory that looks the parameters up itself
-    model, fo = _factory_optimizer(lambda groups, lr: torch.optim.SGD(other.parameters(), lr))
     with pytest.raises(UsageError, match="other tensors than the param_groups"):
-        fo(model.parameters())
+        factory_optimizer(lambda groups, lr: torch.optim.SGD(other.parameters(), lr), "f",
+                          0.1, False)(groups)
     # off by default, as torch DDP, but for the built-in gpt's own recipe
     assert gs.TrainConfig(out="u", model="mlp").clip == 0.0
     assert gs.TrainConfig(out="u", model="tests.train.factories:tiny64",
                           data="tests.train.factories:regression64").clip == 0.0
     assert gs.TrainConfig(out="u").clip == 1.0 and gs.TrainConfig(out="u", clip=0).clip == 0
-    model, fo = _factory_optimizer(lambda groups, lr: torch.optim.LBFGS(
-        [p for g in groups for p in g["params"]]), sharded=True)
+    lbfgs = factory_optimizer(lambda groups, lr: torch.optim.LBFGS(
+        [p for g in groups for p in g["params"]]), "f", 0.1, True)
     with pytest.raises(UsageError, match="cannot run on shards"):
-        fo(model.parameters())
+        lbfgs(groups)
     cfg = gs.TrainConfig(out="u")
     with pytest.raises(UsageError, match="not a torch.optim.lr_scheduler"):
         own_scheduler(lambda opt, steps: None, torch.optim.SGD(model.parameters(), 0.1),

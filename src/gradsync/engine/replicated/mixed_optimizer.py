@@ -24,6 +24,7 @@ import torch
 
 from ...errors import UsageError
 from ..buckets.reduction import AllReduceBuckets
+from ..sync.param_groups import module_param_groups
 from .data_parallel import DataParallel
 from .memory_report import MemoryReport, held, optimizer_bytes
 from .precision import MixedPrecision, cast_buffers_, cast_inputs_hook, master_dtype
@@ -108,10 +109,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     With a ``loss_scale`` (fp16's default) the model scales its loss in
     ``backward(loss, num_items=n)``, and an overflowed step arrives with no gradients,
     so ``step()`` leaves masters and state as they are (``sync/loss_scale.py``).
+    ``param_groups``: groups by parameter name (``sync/param_groups.py``), resolved to
+    the masters.
     """
 
     def __init__(self, model: DataParallel, optimizer_class,
-                 mixed_precision: MixedPrecision | None = None, **optimizer_kwargs):
+                 mixed_precision: MixedPrecision | None = None, param_groups=None,
+                 **optimizer_kwargs):
         if not isinstance(model, DataParallel):
             raise UsageError("MixedPrecisionOptimizer wraps a gradsync.DataParallel")
         mp = mixed_precision or MixedPrecision()
@@ -131,7 +135,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         model.set_reduction(self._wide or AllReduceBuckets(mp.reduce_dtype))  # new buckets
         if mp.loss_scale is not None:
             model.use_loss_scale(mp.loss_scale)
-        self.optimizer = optimizer_class(self._masters, **optimizer_kwargs)
+        masters = (self._masters if param_groups is None else  # by name (sync/param_groups.py)
+                   module_param_groups(model.module, param_groups, "MixedPrecisionOptimizer",
+                                       self._masters))
+        self.optimizer = optimizer_class(masters, **optimizer_kwargs)
         super().__init__(self._masters, dict(self.optimizer.defaults))
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state

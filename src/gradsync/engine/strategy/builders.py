@@ -22,6 +22,7 @@ from ..replicated.mixed_optimizer import MixedPrecisionOptimizer
 from ..replicated.precision import parse_precision
 from ..sharded.fsdp.wrapper import FullyShardedDataParallel
 from ..sharded.zero import ZeroOptimizer
+from ..sync.param_groups import module_param_groups
 from ..sync.replicas import check_module_device
 from ..transport.algorithms.topology import HostTopology
 from .exact import DataParallelStrategy, FullyShardedStrategy, ZeroStrategy, default_wrap
@@ -53,8 +54,16 @@ def outer_sgd(lr: float, momentum: float):
                                           nesterov=momentum > 0)
 
 
+def _whole(module, param_groups, what: str):
+    """What an optimizer of whole parameters is built on: ``module``'s parameters, in the
+    named groups when given (``sync/param_groups.py``)."""
+    if param_groups is None:
+        return module.parameters()
+    return module_param_groups(module, param_groups, what)
+
+
 def build_local(module, precision, optimizer_class, group, sync: SyncOptions,
-                bucket_cap_mb: float = 25.0, outer_sync=None, **opt_kwargs):
+                bucket_cap_mb: float = 25.0, outer_sync=None, param_groups=None, **opt_kwargs):
     """``--sync diloco|streaming-diloco``: a local replica, its inner optimizer, DiLoCo.
 
     With ``--collectives hierarchical`` a worker is a host (torchrun's layout): exact
@@ -68,7 +77,8 @@ def build_local(module, precision, optimizer_class, group, sync: SyncOptions,
     sync = sync.resolved(group)
     if outer_sync is not None:
         model = HostModel(module, group, float(bucket_cap_mb))
-        inner = optimizer_class(module.parameters(), **opt_kwargs)
+        inner = optimizer_class(_whole(module, param_groups, f"--sync {sync.method}"),
+                                **opt_kwargs)
         diloco = outer_sync(module, inner, outer_sgd(sync.outer_lr, sync.outer_momentum), sync)
         return _chose(LocalUpdateStrategy(sync.method, precision, model, inner, diloco), sync)
     topology = None
@@ -79,7 +89,7 @@ def build_local(module, precision, optimizer_class, group, sync: SyncOptions,
         model = HostModel(module, topology.intra_group, float(bucket_cap_mb))
     else:
         model = LocalModel(module)
-    inner = optimizer_class(module.parameters(), **opt_kwargs)
+    inner = optimizer_class(_whole(module, param_groups, f"--sync {sync.method}"), **opt_kwargs)
     compress = None if sync.compress == "none" else sync.compress
     ramp = dict(warmup_steps=sync.warmup, outer_momentum_warmup=sync.momentum_warmup)
     if sync.method == "diloco":
@@ -95,14 +105,14 @@ def build_local(module, precision, optimizer_class, group, sync: SyncOptions,
 
 
 def build_ddp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=None,
-         find_unused_parameters=False, outer_sync=None, **opt_kwargs):
+         find_unused_parameters=False, outer_sync=None, param_groups=None, **opt_kwargs):
     sync = sync or SyncOptions()
     sync.check_precision(precision)
     sync = sync.resolved(group)
     if sync.method != "exact":
         bucket_cap = 25.0 if bucket_cap_mb == "auto" else bucket_cap_mb
         return build_local(module, precision, optimizer_class, group, sync, bucket_cap,
-                           outer_sync, **opt_kwargs)
+                           outer_sync, param_groups, **opt_kwargs)
     if outer_sync is not None:
         raise UsageError("outer_sync is a local-update option: --sync diloco or "
                          "streaming-diloco")
@@ -114,9 +124,10 @@ def build_ddp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sy
                          collectives=sync.collectives, reduction=reduction,
                          find_unused_parameters=find_unused_parameters)
     if mp is not None:
-        opt = MixedPrecisionOptimizer(model, optimizer_class, mp, **opt_kwargs)
+        opt = MixedPrecisionOptimizer(model, optimizer_class, mp, param_groups=param_groups,
+                                      **opt_kwargs)
     else:
-        opt = optimizer_class(model.parameters(), **opt_kwargs)
+        opt = optimizer_class(_whole(module, param_groups, "--strategy ddp"), **opt_kwargs)
     if reduction is not None:
         return _chose(CompressedStrategy("ddp", precision, model, opt, reduction), sync)
     return _chose(DataParallelStrategy("ddp", precision, model, opt), sync)
@@ -147,7 +158,7 @@ def build_zero(stage: int):
 
 
 def build_fsdp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, sync=None,
-          find_unused_parameters=False, **opt_kwargs):
+          find_unused_parameters=False, param_groups=None, **opt_kwargs):
     sync = _exact_only("zero3", sync)
     if sync.collectives == "auto":  # hybrid sharding holds more per rank: by name only
         sync = dataclasses.replace(sync, collectives="native")
@@ -158,5 +169,6 @@ def build_fsdp(module, precision, optimizer_class, bucket_cap_mb, wrap, group, s
                                      mixed_precision=parse_precision(precision), group=group,
                                      hybrid=sync.collectives == "hierarchical",
                                      find_unused_parameters=find_unused_parameters)
+    params = model.parameters() if param_groups is None else model.param_groups(param_groups)
     return _chose(FullyShardedStrategy("zero3", precision, model,
-                                       optimizer_class(model.parameters(), **opt_kwargs)), sync)
+                                       optimizer_class(params, **opt_kwargs)), sync)

@@ -55,7 +55,11 @@ def build_strategy(module: nn.Module, strategy: str, precision: str, optimizer_c
     without it keeps working); ``outer_sync`` (local updates only, passed likewise): a
     factory ``(module, inner_optimizer, outer_optimizer, sync) -> DiLoCo`` that makes
     this process group one DiLoCo worker whose syncs the caller takes (replica groups,
-    ``ft/local_groups.py``); ``opt_kwargs`` go to ``optimizer_class``.
+    ``ft/local_groups.py``); ``param_groups``, when given, optimizer parameter groups
+    written with the module's parameter names, which every built-in strategy resolves to
+    what its optimizer steps (whole parameters, fp32 masters or this rank's shards,
+    ``sync/param_groups.py``) and hands to ``optimizer_class`` as its first argument;
+    ``opt_kwargs`` go to ``optimizer_class``.
     """
     if strategy not in STRATEGIES:
         raise UsageError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")

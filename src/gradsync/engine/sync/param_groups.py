@@ -14,6 +14,14 @@ and resolved here to the tensors the optimizer really steps:
                "weight_decay": 0.0}]
     opt = gs.ZeroOptimizer(model, torch.optim.AdamW, stage=2, param_groups=groups, lr=3e-4)
     opt = torch.optim.AdamW(fsdp_model.param_groups(groups), lr=3e-4)      # stage 3
+    strategy = gs.build_strategy(module, "zero3", "bf16", torch.optim.AdamW,
+                                 param_groups=groups, lr=3e-4)             # any strategy
+
+Every strategy takes them (``build_strategy(..., param_groups=...)``): ZeRO 1/2 and
+FSDP resolve them to this rank's pieces, the others to the module's own parameters or
+to their fp32 masters (:func:`module_param_groups`); the optimizer class is then
+called once, with the resolved groups. So an optimizer factory of groups
+(``--optimizer pkg.module:factory``) is one call on every strategy.
 
 A parameter may be named in one group at most; one named in none is not stepped
 (as with a torch optimizer built on a subset); groups that name nothing at all are
@@ -94,3 +102,23 @@ def resolve_param_groups(groups, names: Sequence[str],
                          name_of: Mapping[int, str], what: str) -> list[dict]:
     """:func:`check_param_groups`, then :func:`assign_pieces`."""
     return assign_pieces(groups, check_param_groups(groups, names, name_of, what), pieces)
+
+
+def module_param_groups(module: torch.nn.Module, groups, what: str,
+                        tensors: Sequence[torch.Tensor] | None = None) -> list[dict]:
+    """``groups`` resolved to ``module``'s own trainable parameters -- or, given ``tensors``,
+    to the tensor that stands for each of them, one-to-one in ``module.parameters()`` order
+    (fp32 master copies). For the strategies whose optimizer steps whole parameters
+    (DataParallel, compressed buckets, local updates, mixed precision's masters); ZeRO and
+    FSDP resolve groups to their shards themselves."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    params = [p for p in module.parameters() if p.requires_grad]
+    names = [" = ".join(aliases[id(p)]) for p in params]
+    steps = list(tensors) if tensors is not None else params
+    if len(steps) != len(params):
+        raise UsageError(f"{what}: {len(steps)} tensors stand for {len(params)} trainable "
+                         "parameters")
+    return resolve_param_groups(groups, names, list(zip(names, steps)),
+                                {id(p): n for p, n in zip(params, names)}, what)

@@ -19,8 +19,8 @@ the form torch users already write. The contracts (docs/training_choices.md):
   torch.optim.lr_scheduler.LRScheduler``, stepped once after every optimizer
   step (a skipped step too: the schedule follows step numbers); it replaces
   ``--warmup``/``--schedule``. ``total_steps`` is the run's planned length
-  (``schedule.planned_steps``: ``--schedule-steps``, by default ``--steps`` at
-  the first launch, kept when the run is continued).
+  (``--schedule-steps``, by default ``--steps`` at the first launch, kept when the
+  run is continued: ``config/plan.RunPlan.schedule_steps``).
 
 The groups (:func:`split_decay`): always two, in this order, each with a
 ``"name"``. ``"decay"`` holds weight matrices and embeddings; ``"no_decay"`` holds
@@ -33,15 +33,11 @@ the optimizer's own default holds: 0.1 for the built-in adamw); both carry
 ``--betas`` when given. Two groups even when one is empty, so a checkpoint's
 group options load back alike on every rank and every number of workers.
 
-How the groups reach every strategy, through the engine's unchanged builders
-(which call ``optimizer_class(params, **kwargs)``): :class:`FactoryOptimizer`
-stands in for the class. ZeRO 1/2 resolve groups written with parameter names
-to shard pieces themselves (``param_groups=``, ``engine/sync/param_groups.py``);
-elsewhere the tensors are named by identity (the module's own parameters: ddp,
-DiLoCo) or by position (bf16's fp32 masters, one per trainable parameter in
-order); ZeRO-3's pieces, named only by the wrapper, get a placeholder that
-:meth:`FactoryOptimizer.finish` replaces with the factory's optimizer over
-``model.param_groups(...)`` before anything steps.
+How the groups reach every strategy: written with the module's parameter names
+(:func:`named_groups`, taken before wrapping) and handed to the engine's
+``build_strategy(..., param_groups=...)``, which every strategy resolves to what its
+optimizer steps (``engine/sync/param_groups.py``); the factory is then called once,
+on the resolved groups (:func:`factory_optimizer`), and what it returns is checked.
 """
 
 from __future__ import annotations
@@ -116,83 +112,43 @@ def own_scheduler(factory: Callable | None, optimizer, cfg, planned: int):
     return sched
 
 
-class FactoryOptimizer:
-    """An optimizer factory dressed as the optimizer class the strategy builders call.
+def named_groups(module: nn.Module, cfg) -> list[dict]:
+    """The run's two parameter groups (:func:`split_decay`) by parameter name, with the
+    options the flags give: what every strategy resolves to its own tensors."""
+    kind = split_decay(module)
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    return [{**opts, "params": [n for n in trainable if kind[n] == opts["name"]]}
+            for opts in group_options(cfg)]
 
-    ``FactoryOptimizer(...)(params, param_groups=...)`` groups ``params`` (see the
-    module docstring), calls the factory and checks what it returns. Pass
-    :attr:`named_groups` to ``build_strategy(..., param_groups=...)`` and call
-    :meth:`finish` on the strategy it returns.
-    """
 
-    gradsync_elementwise = True  # ZeroOptimizer's check: made on the factory's result instead
+def factory_optimizer(factory: Callable, name: str, lr: float, sharded: bool) -> Callable:
+    """An optimizer factory as the optimizer class a strategy calls: once, on the groups
+    the strategy resolved (``build_strategy(..., param_groups=...)``). What the factory
+    returns is checked: an optimizer, over exactly those tensors, and elementwise when
+    the strategy shards (ZeRO's own check is made on the result, not on the factory)."""
 
-    def __init__(self, factory: Callable, name: str, lr: float, module: nn.Module, cfg,
-                 sharded: bool):
-        self.factory, self.__name__, self.lr, self.sharded = factory, name, lr, sharded
-        self.options = group_options(cfg)
-        self.kind = split_decay(module)
-        self.name_of = {id(p): n for n, p in module.named_parameters()}
-        self.trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.named_groups = [{**opts, "params": [n for n, p in self.trainable
-                                                  if self.kind[n] == opts["name"]]}
-                             for opts in self.options]
-        self.placeholder: torch.optim.Optimizer | None = None
-
-    def _names(self, tensors: list[torch.Tensor]) -> list[str] | None:
-        names = [self.name_of.get(id(t)) for t in tensors]
-        if all(n is not None for n in names):
-            return names  # the module's own parameters (ddp, DiLoCo)
-        if (len(tensors) == len(self.trainable) and not any(isinstance(t, nn.Parameter)
-                                                             for t in tensors)
-                and all(t.shape == p.shape for t, (_, p) in zip(tensors, self.trainable))):
-            return [n for n, _ in self.trainable]  # bf16's fp32 masters, in order
-        return None
-
-    def __call__(self, params, param_groups=None, **kwargs):
+    def build(param_groups, **kwargs) -> torch.optim.Optimizer:
         if kwargs:
-            raise UsageError(f"optimizer factory {self.__name__}: the strategy passed options "
+            raise UsageError(f"optimizer factory {name}: the strategy passed options "
                              f"{sorted(kwargs)}; a factory takes only its parameter groups")
-        params = list(params)
-        if params and all(isinstance(g, Mapping) for g in params):
-            groups = [dict(g) for g in params]  # resolved by the engine (ZeRO 1/2, finish)
-        else:
-            names = self._names(params)
-            if names is None:  # pieces only the wrapper can name: see finish()
-                self.placeholder = torch.optim.SGD(params, lr=self.lr)
-                return self.placeholder
-            groups = [{**opts, "params": [t for t, n in zip(params, names)
-                                          if self.kind[n] == opts["name"]]}
-                      for opts in self.options]
-        return self._build(groups)
-
-    def _build(self, groups: list[dict]) -> torch.optim.Optimizer:
-        opt = self.factory(groups, self.lr)
+        groups = [dict(g) for g in param_groups]
+        opt = factory(groups, lr)
         if not isinstance(opt, torch.optim.Optimizer):
-            raise UsageError(f"optimizer factory {self.__name__} returned "
-                             f"{type(opt).__name__}, not a torch.optim.Optimizer")
+            raise UsageError(f"optimizer factory {name} returned {type(opt).__name__}, not a "
+                             "torch.optim.Optimizer")
         given = {id(t) for g in groups for t in g["params"]}
         stepped = {id(t) for g in opt.param_groups for t in g["params"]}
         if stepped != given:
-            raise UsageError(f"optimizer factory {self.__name__} built its optimizer on other "
-                             "tensors than the param_groups it was given: build it on exactly "
-                             "those (under ZeRO they are this rank's pieces of the parameters)")
-        if self.sharded:
+            raise UsageError(f"optimizer factory {name} built its optimizer on other tensors "
+                             "than the param_groups it was given: build it on exactly those "
+                             "(under ZeRO they are this rank's pieces of the parameters)")
+        if sharded:
             check_elementwise(type(opt))
         return opt
 
-    def finish(self, strategy) -> None:
-        """Replace a placeholder with the factory's optimizer over the wrapper's pieces."""
-        if self.placeholder is None:
-            return
-        if strategy.optimizer is not self.placeholder or not hasattr(strategy.model,
-                                                                     "param_groups"):
-            raise UsageError(f"--strategy {strategy.name} builds its optimizer on tensors "
-                             "gradsync cannot name, so parameter groups (no weight decay on "
-                             "biases and norms) cannot reach it; give its model a "
-                             "param_groups(groups) method")
-        strategy.optimizer = self._build(strategy.model.param_groups(self.named_groups))
-        self.placeholder = None
+    build.__name__ = name
+    build.gradsync_elementwise = True  # ZeroOptimizer's check: made on the result instead
+    return build
 
 
 def build_with_optimizer(task, cfg, device, planned: int, **strategy_options):
@@ -200,12 +156,13 @@ def build_with_optimizer(task, cfg, device, planned: int, **strategy_options):
     scheduler over ``planned`` steps (None: the built-in ``--warmup``/``--schedule``,
     made by the caller). ``strategy_options``: what the step coordinator asks of the
     strategy (``build_strategy``'s ``outer_sync`` for a DiLoCo worker per replica group)."""
-    module = task.model.to(device)  # parameters named before wrapping (zero3 replaces them)
-    opt = FactoryOptimizer(task.optimizer_factory, cfg.optim.optimizer_name, cfg.optim.lr,
-                           module, cfg, sharded=cfg.sync.strategy in FIXED_BUCKETS)
-    strategy = build_strategy(module, cfg.sync.strategy, cfg.sync.precision, opt,
-                              bucket_cap_mb=cfg.sync.bucket_cap_mb, sync=cfg.sync.options,
-                              find_unused_parameters=cfg.sync.find_unused_parameters,
-                              param_groups=opt.named_groups, **strategy_options)
-    opt.finish(strategy)
+    module = task.model.to(device)
+    groups = named_groups(module, cfg)  # named before wrapping (zero3 replaces them)
+    sync = cfg.sync
+    opt = factory_optimizer(task.optimizer_factory, cfg.optim.optimizer_name, cfg.optim.lr,
+                            sharded=sync.strategy in FIXED_BUCKETS)
+    strategy = build_strategy(module, sync.strategy, sync.precision, opt,
+                              bucket_cap_mb=sync.bucket_cap_mb, sync=sync.options,
+                              find_unused_parameters=sync.find_unused_parameters,
+                              param_groups=groups, **strategy_options)
     return strategy, own_scheduler(task.scheduler_factory, strategy.optimizer, cfg, planned)
