@@ -3,9 +3,9 @@
 Without ``--model`` it runs the worked example (a two-layer tanh regressor, K = 8,
 4096 samples, 200 steps); with ``--model``/``--data`` (the factories ``gradsync
 train`` takes) it runs the same comparison on the user's own model and data
-(``checks.factory_exactness``), with defaults sized for a real model: 2 workers, 16
-samples, 3 steps. Flags of the worked example alone (``--d``, ``--hidden``) are
-refused with ``--model``, as ``--sampler`` is.
+(``checks/exactness.py``, the one check, on a second workload), with defaults sized
+for a real model: 2 workers, 16 samples, 3 steps. Flags of the worked example alone
+(``--d``, ``--hidden``) are refused with ``--model``, as ``--sampler`` is.
 """
 
 from __future__ import annotations
@@ -73,63 +73,43 @@ def _plural(n: int, word: str) -> str:
 
 
 def _exactness(args, console: Console) -> int:
-    from ..checks.exactness import ExactnessConfig, run_exactness
+    """The one exactness check (``checks/exactness.py``) on the worked example or, with
+    ``--model``, on the user's own model and data; the same table either way."""
+    from ..checks.exactness import Check, Factories, Regression, run_exactness
 
-    cfg = ExactnessConfig(
-        n=args.n,
-        d=args.d,
-        hidden=args.hidden,
-        workers=args.workers,
-        steps=args.steps,
-        lr=args.lr,
-        tolerance=args.tolerance,
-    )
-    with console.status(f"training on {_plural(cfg.workers, 'worker')} and on one process..."):
-        r = run_exactness(cfg)
-    t = Table(
-        title=f"exactness: {_plural(cfg.workers, 'worker')} vs one process, N={cfg.n}, "
-        f"{_plural(cfg.steps, 'SGD step')}, float64"
-    )
+    own = args.model is not None
+    workload = (Factories(model=args.model, data=args.data, samples=args.n) if own
+                else Regression(n=args.n, d=args.d, hidden=args.hidden))
+    check = Check(workload, workers=args.workers, steps=args.steps, lr=args.lr,
+                  tolerance=args.tolerance)
+    what = f"{args.model} " if own else ""
+    with console.status(f"training {what}on {_plural(check.workers, 'worker')} and on "
+                        f"one process..."):
+        r = run_exactness(check)
+    if own:
+        title = (f"exactness of {workload.model} on {workload.data or 'its data'}: "
+                 f"{_plural(check.workers, 'worker')} vs one process, the first "
+                 f"{_plural(workload.samples, 'sample')}, {_plural(check.steps, 'SGD step')}, "
+                 "float64, eval mode")
+    else:
+        title = (f"exactness: {_plural(check.workers, 'worker')} vs one process, "
+                 f"N={workload.n}, {_plural(check.steps, 'SGD step')}, float64")
+    t = Table(title=title)
     t.add_column("quantity")
     t.add_column("value", justify="right")
     t.add_row("max drift across replicas", f"{r.max_drift:.2e}")
     t.add_row("max gap vs single process", f"{r.max_gap:.2e}")
-    t.add_row("final loss, single process", f"{r.single_loss:.6f}")
-    t.add_row("final loss, replica 0", f"{r.replica_loss:.6f}")
+    if not own:
+        t.add_row("final loss, single process", f"{r.single_loss:.6f}")
+        t.add_row("final loss, replica 0", f"{r.replica_loss:.6f}")
     sizes = ", ".join(map(str, r.uneven_shard_sizes))
-    t.add_row(f"uneven shards ({sizes}): average of means", f"gap {r.uneven_gap_mean_of_means:.2e}")
-    t.add_row("uneven shards: num_items weighting", f"gap {r.uneven_gap_num_items:.2e}")
-    console.print(t)
-    verdict = "[green]PASS[/]" if r.passed else "[red]FAIL[/]"
-    console.print(f"{verdict}: drift must be 0 and gaps <= {cfg.tolerance:g}")
-    return 0 if r.passed else 1
-
-
-def _factories(args, console: Console) -> int:
-    from ..checks.factory_exactness import FactoryCheckConfig, run_factory_check
-
-    cfg = FactoryCheckConfig(model=args.model, data=args.data, workers=args.workers,
-                             samples=args.n, steps=args.steps, lr=args.lr,
-                             tolerance=args.tolerance)
-    with console.status(f"training {args.model} on {_plural(cfg.workers, 'worker')} and on "
-                        "one process..."):
-        r = run_factory_check(cfg)
-    t = Table(title=f"exactness of {cfg.model} on {cfg.data or 'its data'}: "
-              f"{_plural(cfg.workers, 'worker')} vs one process, the first "
-              f"{_plural(cfg.samples, 'sample')}, {_plural(cfg.steps, 'SGD step')}, float64, "
-              "eval mode")
-    t.add_column("quantity")
-    t.add_column("value", justify="right")
-    t.add_row("max drift across replicas", f"{r.max_drift:.2e}")
-    t.add_row("max gap vs single process", f"{r.max_gap:.2e}")
-    sizes = ", ".join(map(str, r.uneven_shard_sizes))
-    t.add_row(f"uneven shards ({sizes} samples): average of means",
+    t.add_row(f"uneven shards ({sizes}{' samples' if own else ''}): average of means",
               f"gap {r.uneven_gap_mean_of_means:.2e}")
-    t.add_row(f"uneven shards: num_items weighting ({r.item_name})",
+    t.add_row("uneven shards: num_items weighting" + (f" ({r.item_name})" if own else ""),
               f"gap {r.uneven_gap_num_items:.2e}")
     console.print(t)
     verdict = "[green]PASS[/]" if r.passed else "[red]FAIL[/]"
-    console.print(f"{verdict}: drift must be 0 and gaps <= {cfg.tolerance:g}")
+    console.print(f"{verdict}: drift must be 0 and gaps <= {check.tolerance:g}")
     return 0 if r.passed else 1
 
 
@@ -174,4 +154,4 @@ def run(args) -> int:
         raise UsageError(f"{builtin_only[0]} belongs to the worked example and has no effect "
                          "with --model; drop one of them")
     _fill(args, FACTORIES)
-    return _factories(args, console)
+    return _exactness(args, console)

@@ -25,9 +25,10 @@ docs/architecture.md follows a run through them):
 * ``records/``: what a run tells -- measurements, trace, drift, display, trackers,
   callbacks, the summary.
 
-Outside this package: the quorum's side of the loop is ``ft/quorum_step.py`` and
-``ft/local_groups.py``, ``gradsync verify --model`` is
-``checks/factory_exactness.py``, the command line is ``cli/train.py``.
+Outside this package: the quorum's side of the step (its coordinator) is
+``ft/quorum_step.py`` and ``ft/local_groups.py``, ``gradsync verify --model`` is
+``checks/exactness.py`` (the built-in check on the user's own workload), the command
+line is ``cli/train.py`` (``cli/train_group.py`` for a replica group on one machine).
 """
 
 import sys
