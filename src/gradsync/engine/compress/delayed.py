@@ -101,8 +101,7 @@ class DelayedSums:
         key = bucket.spec.index
         self._handles.append(red.compressed_sum_(key, buf, [p.shape for p in bucket.params]))
         if exact is not None:
-            self._handles.append(red._thread.submit(comm.all_reduce, exact, red._thread.group,
-                                                    tag=f"probe{key}"))
+            self._handles.append(red.probe_sum_(key, exact))
         self._open.append(_Part(bucket.spec.params, buf, bucket.spec, exact))
         return _done()
 
@@ -112,32 +111,31 @@ class DelayedSums:
         red, dp = self.red, self.red.dp
         number = red.windows + 1
         if red.windows < red.exact_windows:  # summed already, in place (waited in collect)
-            parts = [_Part(b.spec.params, self._buffer(b.spec, red._src[b.spec.index]), b.spec)
-                     for b in dp.buckets]
+            parts = [_Part(b.spec.params, self._buffer(b.spec, red.window_sum(b.spec.index)),
+                           b.spec) for b in dp.buckets]
             sent = sum(ring_bytes(b.spec.nbytes, dp.world_size) for b in dp.buckets)
             current = _Window(number, parts, [], divisor, used, sent)
         else:
             current = _Window(number, self._open, self._handles, divisor, used)
             # after the window's last bucket on the same thread: the bytes it sent
-            current.handles.append(red._thread.submit(self._mark, current))
+            current.handles.append(red.after_sums(self._mark, current))
         self._open, self._handles = [], []
-        red._src.clear()
+        held = red.close_window()
         red.windows += 1
         previous, self.pending = self.pending, current
         if previous is None:
-            self._nothing()
+            self._nothing(held)
             return
         self._write(previous)
-        if red._aside or not all(previous.used):
-            red._restore(previous.used)  # rule 1 by the applied window's mask; rule 2 as ever
+        red.restore(previous.used, held)  # rule 1 by the applied window's mask; rule 2 as ever
 
     def _mark(self, window: _Window) -> None:
         window.sent_total = self.red.compressor.stats().sent_bytes
 
-    def _nothing(self) -> None:
-        """The first window: no earlier sum. Gradients as they were before the window."""
-        red, dp = self.red, self.red.dp
-        aside, red._aside = red._aside, {}
+    def _nothing(self, aside: dict) -> None:
+        """The first window: no earlier sum. Gradients as they were before the window
+        (``aside``: what was set aside from them, rule 2)."""
+        dp = self.red.dp
         params = dp.trainable_params
         for p in params:
             p.grad = None

@@ -85,9 +85,7 @@ class CompressedBuckets(AllReduceBuckets):
         if exact is None:
             return pending
         self._probes[bucket.spec.index] = (src, exact, bucket.spec.numel)
-        # on the same thread, after the compressed sum: waiting for it waits for both
-        return self._thread.submit(comm.all_reduce, exact, self._thread.group,
-                                   tag=f"probe{bucket.spec.index}")
+        return self.probe_sum_(bucket.spec.index, exact)
 
     def exact_sum_(self, bucket, src):
         """An exact window's bucket: the backend's all-reduce (a subclass: its own exact sum)."""
@@ -96,6 +94,35 @@ class CompressedBuckets(AllReduceBuckets):
     def compressed_sum_(self, key: int, src, shapes):
         """A compressed window's bucket, on the compression thread."""
         return self._thread.launch(key, src, shapes)
+
+    # ------------------------------------------------ the delayed path's hooks (delayed.py)
+    def probe_sum_(self, key: int, exact: torch.Tensor) -> comm.Pending:
+        """The exact sum of a probe's copy, on the thread after the compressed sum: waiting
+        for it waits for both."""
+        return self._thread.submit(comm.all_reduce, exact, self._thread.group,
+                                   tag=f"probe{key}")
+
+    def after_sums(self, fn, *args) -> comm.Pending:
+        """Run ``fn(*args)`` on the compression thread once the sums queued there ran."""
+        return self._thread.submit(fn, *args)
+
+    def window_sum(self, index: int) -> torch.Tensor:
+        """Bucket ``index``'s sum in an exactly summed window (the tensor it was summed in)."""
+        return self._src[index]
+
+    def close_window(self) -> dict:
+        """The window is over: forget its sums; return the gradients set aside before it
+        ({trainable index: (gradient, copy or None)}, rule 2), now the caller's."""
+        self._src.clear()
+        held, self._aside = self._aside, {}
+        return held
+
+    def restore(self, used: list[bool], held: dict) -> None:
+        """Rules 1 and 2 for a window whose sum was just written into the buckets: the
+        parameters ``used`` marks unused keep what they had, ``held`` is added back."""
+        if held or not all(used):
+            self._aside = held
+            self._restore(used)
 
     def complete(self, divisor: float, used: list[bool]) -> None:
         if self.delayed is not None:
