@@ -108,3 +108,17 @@ def _sigint_handler_is_pythons_default():
 def test_workers_raise_keyboard_interrupt_on_sigint_like_any_python_process():
     """The forkserver is started with SIGINT ignored; its workers must not inherit that."""
     assert gs.spawn(_sigint_handler_is_pythons_default, 2) == [True, True]
+
+
+def test_torch_rendezvous_is_changed_only_while_gradsync_launches():
+    """Importing gradsync changes nothing in torch: the faster rendezvous method names are
+    in place for the duration of a launch only."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+
+    from gradsync import launch as launching
+
+    torch_own = rdzv.get_method_name
+    assert torch_own is not launching._caller_name
+    with launching._fast_rendezvous_names():
+        assert rdzv.get_method_name is launching._caller_name
+    assert rdzv.get_method_name is torch_own

@@ -53,7 +53,17 @@ def _caller_name(depth: int = 2) -> str:
         return "no_method_name"
 
 
-_rdzv.get_method_name = _caller_name
+@contextlib.contextmanager
+def _fast_rendezvous_names():
+    """:func:`_caller_name` in torch's rendezvous for the duration of one launch, torch's
+    own outside it: importing gradsync changes nothing in torch (a user's own torchrun
+    or elastic launch in the same process keeps torch's behaviour)."""
+    torch_own = _rdzv.get_method_name
+    _rdzv.get_method_name = _caller_name
+    try:
+        yield
+    finally:
+        _rdzv.get_method_name = torch_own
 
 
 def _record_and_die(exc: BaseException) -> None:
@@ -223,7 +233,8 @@ def launch(fn: Callable, nproc: int, args: tuple = (), *, backend: str | None = 
         max_restarts=max_restarts, monitor_interval=0.05, start_method="forkserver",
     )
     quiet_ctx = _quiet_elastic() if quiet else contextlib.nullcontext()
-    with quiet_ctx, _restore_signal_handlers(), _watch_restarts(on_restart):
+    with quiet_ctx, _restore_signal_handlers(), _watch_restarts(on_restart), \
+            _fast_rendezvous_names():
         try:
             return elastic_launch(config, _worker_entry)(fn, backend, timeout_s, threads, args,
                                                          _caller_environment(), os.getpid())

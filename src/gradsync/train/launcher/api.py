@@ -49,7 +49,7 @@ def launch_workers(cfg: RunConfig, model_fn=None, data_fn=None,
                    faults: FaultInjector | None = None, factories: dict | None = None,
                    callbacks: list | None = None) -> dict | None:
     """Start ``cfg.run.workers`` local workers on a prepared run directory; rank 0's summary."""
-    from ...launch import launch  # it patches torch's rendezvous when imported
+    from ...launch import launch  # torch's elastic launcher, only when a run launches
 
     # a collective that fails leaves each rank's flight record in the run directory,
     # where the launcher's hang report (and the user) find it; an explicit setting wins
