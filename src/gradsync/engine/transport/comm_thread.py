@@ -29,16 +29,29 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ...dist import default_timeout_s
+from ...dist import comm_device, default_timeout_s
 from . import comm
 
 
 def private_group(group=None):
     """A new process group with the ranks of ``group`` (only those ranks call this),
-    with gradsync's collective timeout."""
+    with gradsync's collective timeout, opened by one collective of every rank
+    (:func:`open_group`)."""
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    return dist.new_group(ranks, timeout=timedelta(seconds=default_timeout_s()),
-                          use_local_synchronization=True)
+    grp = dist.new_group(ranks, timeout=timedelta(seconds=default_timeout_s()),
+                         use_local_synchronization=True)
+    open_group(grp)
+    return grp
+
+
+def open_group(group) -> None:
+    """A first collective on a new group, every rank of it taking part.
+
+    NCCL requires that a group's first ``batch_isend_irecv`` involve all its ranks
+    (torch's documentation of it); the reference algorithms' first rounds (a tree's
+    leaves, a parameter server's workers) do not. One small all-reduce here makes
+    every later round a round on an opened group."""
+    comm.all_reduce(torch.zeros(1, device=comm_device(group)), group, tag="open-group")
 
 
 def _cuda_in_use() -> bool:

@@ -74,6 +74,8 @@ class HostTopology:
             self._groups.append(grp)
             if self.rank in ranks:
                 self.inter_group = grp
+        for grp in (self.intra_group, self.inter_group):  # NCCL: see comm_thread.open_group
+            comm.all_reduce(torch.zeros(1, device=comm_device(grp)), grp, tag="open-group")
 
     @classmethod
     def from_env(cls, *, timeout_s: float | None = None) -> HostTopology:
