@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import gradsync as gs
-from gradsync.engine.sync import window_check
+from gradsync.engine.sync import item_window
 from gradsync.engine.sync.item_window import HEADER_SLOTS, ItemWindow
 from gradsync.engine.transport import comm
 from gradsync.models import build_model
@@ -45,7 +45,7 @@ def without_fingerprint():
     """The engine as it was before the fingerprint: no record per collective, the
     header's extra slots left at zero and never read."""
     record = comm._record
-    write, close = window_check.CheckedWindow.write, window_check.CheckedWindow.close
+    write, close = item_window.CheckedWindow.write, item_window.CheckedWindow.close
 
     def plain_write(self, slots, group=None):
         ItemWindow.write(self, slots[:HEADER_SLOTS])
@@ -54,12 +54,12 @@ def without_fingerprint():
         return ItemWindow.close(self, summed[:HEADER_SLOTS], plain_divisor)
 
     comm._record = lambda *args, **kwargs: None
-    window_check.CheckedWindow.write, window_check.CheckedWindow.close = plain_write, plain_close
+    item_window.CheckedWindow.write, item_window.CheckedWindow.close = plain_write, plain_close
     try:
         yield
     finally:
         comm._record = record
-        window_check.CheckedWindow.write, window_check.CheckedWindow.close = write, close
+        item_window.CheckedWindow.write, item_window.CheckedWindow.close = write, close
 
 
 def _worker(a: dict) -> dict | None:

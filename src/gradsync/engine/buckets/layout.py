@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ...errors import UsageError
+from ..sync.item_window import WINDOW_SLOTS as HEADER_SLOTS  # items + desync fingerprint
 from ..sync.replicas import ignored_names, without_ddp_prefix
-from ..sync.window_check import WINDOW_SLOTS as HEADER_SLOTS  # items + desync fingerprint
 from ..transport import comm, host
 from .autotune import AutotuneResult, BucketAutotuner
 from .buffer import Bucket

@@ -56,13 +56,12 @@ from torch import nn
 from ...dist import comm_device
 from ...errors import UnusedParametersError, UsageError
 from ..transport import comm, host, tracing
-from .item_window import as_count
+from .item_window import WINDOW_SLOTS, CheckedWindow, as_count
 from .join import Join
 from .loss_scale import LossScale, LossScaler
 from .protocol import SyncProtocol, tensors_in
 from .replicas import broadcast_tensors, check_module_device
 from .shadow import Shadow
-from .window_check import WINDOW_SLOTS, CheckedWindow
 
 
 class SyncedModule(Shadow, SyncProtocol, nn.Module):

@@ -1,6 +1,6 @@
 """The words of a desync error: which ranks, which step, which collective.
 
-``window_check.py`` gathers one account per rank when the window fingerprints
+``item_window.py`` gathers one account per rank when the window fingerprints
 differ; :func:`explain` turns the accounts into the message every rank raises
 (computed from the same gathered data, so identical on every rank).
 """

@@ -12,7 +12,7 @@ one of its own (a round trip each); this module keeps the check cheap instead:
 * the synchronised-backward core folds that digest, with what happened to the
   accumulation window (optimizer steps since the last sync, and steps taken
   with unsynchronised micro-steps pending), into a few whole-number slots that
-  ride in the item-count header it all-reduces anyway (``sync/window_check.py``);
+  ride in the item-count header it all-reduces anyway (``sync/item_window.py``);
 * only when the summed slots say the ranks differ are the logs gathered, to name
   the ranks, the step and the first differing collective.
 
