@@ -36,9 +36,9 @@ import torch
 from ...errors import UsageError
 from ..replicated.data_parallel import DataParallel
 from ..replicated.precision import MixedPrecision, cast_buffers_, cast_inputs_hook
+from ..sync.join import NoJoinHook, disabled_join_config
 from ..sync.param_groups import assign_pieces, check_param_groups
 from ..sync.replicas import verify_same_setup
-from ..sync.shadow import NoJoinHook, disabled_join_config
 from ..transport.shard_comm import ShardComm
 from .clip import clip_grad_norm_
 from .shard_memory import report_zero

@@ -57,11 +57,10 @@ from ...dist import comm_device
 from ...errors import UnusedParametersError, UsageError
 from ..transport import comm, host, tracing
 from .item_window import WINDOW_SLOTS, CheckedWindow, as_count
-from .join import Join
+from .join import Join, Shadow
 from .loss_scale import LossScale, LossScaler
 from .protocol import SyncProtocol, tensors_in
 from .replicas import broadcast_tensors, check_module_device
-from .shadow import Shadow
 
 
 class SyncedModule(Shadow, SyncProtocol, nn.Module):
