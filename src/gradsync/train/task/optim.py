@@ -13,7 +13,7 @@ the form torch users already write. The contracts (docs/training_choices.md):
   fp32 master copies with ``--precision bf16``. So the factory is called once on
   every rank, by the strategy, after the model is wrapped; it must not look the
   parameters up in the model itself. Under a sharding strategy the optimizer's
-  update must be elementwise (``engine/sharded/zero_shard.py``), which is checked
+  update must be elementwise (``engine/sharded/zero.py``), which is checked
   on the optimizer the factory returns.
 * ``--scheduler pkg.module:factory``: ``factory(optimizer, total_steps) ->
   torch.optim.lr_scheduler.LRScheduler``, stepped once after every optimizer
@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from ...engine.sharded.zero_shard import check_elementwise
+from ...engine.sharded.zero import check_elementwise
 from ...engine.strategy.registry import FIXED_BUCKETS, build_strategy
 from ...errors import UsageError
 from ...factory import load_factory
