@@ -30,13 +30,13 @@ from torch import nn
 from ...dist import comm_device
 from ...errors import UsageError
 from ..compress.base import ring_bytes
+from ..compress.delayed import DelayedUpdates
 from ..local.streaming import StreamingDiLoCo
 from ..replicated.data_parallel import DataParallel
 from ..replicated.memory_report import MemoryReport, held, optimizer_bytes
 from ..sync.item_window import as_count
 from ..transport import comm, host
 from .base import Strategy
-from .delayed import DelayedUpdates
 from .exact import DataParallelStrategy
 
 
