@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from gradsync.engine.local.fragments import local_sgd_outer_optimizer
+from gradsync.engine.local.exchange import local_sgd_outer_optimizer
 from gradsync.engine.transport import comm
 from gradsync.engine.transport.algorithms import HostTopology
 from tests.helpers import dataset, mlp, mse, same_tensors, uneven_schedule
@@ -43,7 +43,7 @@ def outer_optimizer(kind):
 
 
 def outer_factory(kind):
-    from gradsync.engine.local.fragments import default_outer_optimizer
+    from gradsync.engine.local.exchange import default_outer_optimizer
     return outer_optimizer(kind) or default_outer_optimizer
 
 

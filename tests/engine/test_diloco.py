@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradsync.engine.local.fragments import split_parameters
+from gradsync.engine.local.exchange import split_parameters
 from tests.engine.diloco_helpers import (
     DP,
     EVEN,

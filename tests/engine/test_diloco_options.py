@@ -1,4 +1,4 @@
-"""DiLoCo's local-update options (``engine/local/schedule.py``) against references, in float64.
+"""DiLoCo's local-update options (``engine/local/diloco.py``) against references, in float64.
 
 Claims, 3 workers with uneven items (a worker with none at some steps):
 * synchronous warm-up (``--sync-warmup W``): W steps then H = 1 with Local SGD's outer

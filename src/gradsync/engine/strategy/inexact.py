@@ -123,7 +123,7 @@ class LocalModel(nn.Module):
     window closes locally: the accumulated sum is divided by this worker's own
     item count, the exact mean over what this worker saw. While ``outer`` (the
     DiLoCo, set by :class:`LocalUpdateStrategy`) is in its synchronous warm-up
-    (post-local SGD, ``engine/local/warmup.py``) the window closes globally
+    (post-local SGD, ``engine/local/diloco.py``) the window closes globally
     instead: sums and items over every worker, as exact data parallelism.
     """
 

@@ -62,10 +62,10 @@ class SyncOptions:
     compress_delay: with compression, 0 (the default) or 1: apply each step's
         compressed sum one step late, its communication overlapped with the next step
         (``compress/delayed.py``; opt-in, since it changes the trajectory).
-    warmup, momentum_warmup, every_max: local updates (``engine/local/schedule.py``):
+    warmup, momentum_warmup, every_max: local updates (``local/diloco.py``, ``SyncSchedule``):
         W synchronous steps first (post-local SGD), the outer momentum ramped over K
         outer steps, and H grown up to M as the learning rate decays (diloco only);
-        0 turns each off. eager: streaming-diloco's eager updates (``engine/local/eager.py``).
+        0 turns each off. eager: streaming-diloco's eager updates (``engine/local/streaming.py``).
     """
 
     method: str = "exact"

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...engine.local.fragments import split_parameters
+from ...engine.local.exchange import split_parameters
 from ...factory import is_factory_spec, load_factory
 from ...models import build_model
 from ...rundir import CHECKPOINT, SHARDS

@@ -5,7 +5,8 @@
 :class:`~gradsync.train.task.build.TrainData`; ``conventions.py`` how a sample and a
 model's output are read (pairs, transformers' dicts and ``labels``); ``eval_metrics.py``
 the held-out metrics' contract; ``builtins.py`` the built-in datasets and optimizers by
-name; ``optim.py`` the optimizer factory and the strategy built with it; ``loader.py``
-factories that take arguments, by name; ``schedule.py`` the built-in learning-rate
-schedule and what a continued run does with it.
+name; ``optim.py`` the parameter groups, the optimizer factory and the strategy built
+with it (factories are loaded by ``gradsync/factory.py``, the one loader);
+``schedule.py`` the built-in learning-rate schedule and what a continued run does
+with it.
 """
