@@ -138,7 +138,7 @@ def test_train_balances_only_where_the_gradient_is_exact():
 
     assert not TrainConfig(out="x").balanced  # the default: off (bit-reproducible runs)
     assert TrainConfig(out="x", balance="auto").balanced
-    # elsewhere it would change nothing: refused, naming what it needs (train/config/mode_flags.py)
+    # elsewhere it would change nothing: refused, naming what it needs (train/config/resolve.py)
     for inexact in ({"sync": "diloco"}, {"compress": "int8"}):
         with pytest.raises(UsageError, match="--balance auto has no effect with .* it needs "
                                              "--sync exact without --compress"):

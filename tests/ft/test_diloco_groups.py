@@ -245,8 +245,8 @@ def test_a_sync_that_does_not_commit_is_summed_again_without_the_lost_group(one_
     model, dl, start, mine, theirs = _moved_group()
     zeros = torch.zeros_like(theirs)
     manager = _Manager([PRESENT, 2.0 * theirs, torch.zeros(4, dtype=torch.float64), zeros])
-    cfg = SimpleNamespace(ft=SimpleNamespace(group=0, groups=2), sync=SimpleNamespace(every=3),
-                          run=SimpleNamespace(steps=8))
+    cfg = SimpleNamespace(ft=SimpleNamespace(group=0, groups=2, lighthouse="", timeout=5.0),
+                          sync=SimpleNamespace(every=3), run=SimpleNamespace(steps=8))
     sess = SimpleNamespace(strategy=SimpleNamespace(diloco=dl), rank=0, world=1, cfg=cfg,
                            display=None, writer=None, start_step=0)
     groups = LocalGroups(sess, _Replica(manager))
@@ -261,7 +261,7 @@ def test_a_sync_that_does_not_commit_is_summed_again_without_the_lost_group(one_
 
 
 def test_both_local_update_methods_are_accepted_across_groups_and_compression_is_not():
-    from gradsync.ft.flags import check_ft
+    from gradsync.train.config.resolve import check_ft
     from gradsync.train.config.train_config import TrainConfig
 
     check_ft(TrainConfig(ft_groups=2, sync="diloco"))

@@ -23,13 +23,6 @@ from .replica import ReplicaGroup, StepQuorum, lighthouse_address
 BARRIER_ENV = "GRADSYNC_FT_BARRIER"  # set by the one-machine launcher (cli/train_groups.py)
 
 
-def replica_group(sess, state_fn, load_fn) -> ReplicaGroup:
-    """This rank's :class:`ReplicaGroup`, from the run's ``ft`` section; ``state_fn`` gives
-    what a healing peer receives, ``load_fn`` loads what this group receives."""
-    cfg = sess.cfg
-    return ReplicaGroup(cfg.ft.group, cfg.ft.groups, lighthouse_address(cfg.ft.lighthouse),
-                        sess.rank, sess.world, state_fn, load_fn, sess.start_step,
-                        timeout_s=cfg.ft.timeout, quorum_timeout_s=cfg.run.timeout)
 
 
 def join(group: ReplicaGroup, sess) -> None:
@@ -48,9 +41,20 @@ class QuorumCoordinator:
 
     def __init__(self, sess):
         self.sess = sess
+        ft = sess.cfg.ft  # the one reading of the run's ft section below train
+        self.group, self.groups = ft.group, ft.groups  # this group's index, how many
+        self.lighthouse, self.group_timeout = ft.lighthouse, ft.timeout
         self.current: StepQuorum | None = None
         self.last_members: list[int] | None = None
         self.why_not = ""  # why the last step did not commit
+
+    def replica_group(self, state_fn, load_fn) -> ReplicaGroup:
+        """This rank's :class:`ReplicaGroup`; ``state_fn`` gives what a healing peer
+        receives, ``load_fn`` loads what this group receives."""
+        sess = self.sess
+        return ReplicaGroup(self.group, self.groups, lighthouse_address(self.lighthouse),
+                            sess.rank, sess.world, state_fn, load_fn, sess.start_step,
+                            timeout_s=self.group_timeout, quorum_timeout_s=sess.cfg.run.timeout)
 
     @property
     def world_size(self) -> int:
@@ -104,12 +108,11 @@ class QuorumCoordinator:
     def summary(self, rows: list[dict]) -> dict:
         """summary.json's ``fault_tolerance``: what this group went through, from its metrics
         (every committed step, every attempt that did not commit)."""
-        cfg = self.sess.cfg
         steps = [r for r in rows if "loss" in r and r.get("quorum") is not None]
         sizes: dict[str, int] = {}
         for r in steps:
             sizes[str(len(r["quorum"]))] = sizes.get(str(len(r["quorum"])), 0) + 1
-        return {"group": cfg.ft.group, "groups": cfg.ft.groups,
+        return {"group": self.group, "groups": self.groups,
                 "redone_steps": sum(1 for r in steps if (r.get("attempts") or 1) > 1),
                 "failed_attempts": sum((r.get("attempts") or 1) - 1 for r in steps),
                 "heals": sum(1 for r in steps if r.get("healed")),

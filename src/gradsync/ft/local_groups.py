@@ -48,7 +48,7 @@ import time
 import torch.distributed as dist
 
 from ..data.split import deal
-from .coordinator import QuorumCoordinator, join, replica_group
+from .coordinator import QuorumCoordinator, join
 from .outer_sync import GroupDiLoCo, GroupStreamingDiLoCo
 from .replica import ReplicaGroup, StepQuorum
 from .shares import even_counts, micro_split
@@ -77,14 +77,14 @@ class LocalGroups(QuorumCoordinator):
         self.replica = replica
         self.position = sess.start_step  # inner steps this group has completed
         self.joined = False
-        self.deal_over = (1, 0, [sess.cfg.ft.group])  # (quorum size, position, members)
+        self.deal_over = (1, 0, [self.group])  # (quorum size, position, members)
         self.healed = False
         self.syncs: list[dict] = []  # this group's committed syncs (metrics events)
 
     def start(self) -> None:
         """Join the replica groups as one DiLoCo worker per group (quorums at syncs only)."""
         self.position = self.sess.start_step
-        self.replica = replica_group(self.sess, self.state, self.load)
+        self.replica = self.replica_group(self.state, self.load)
         join(self.replica, self.sess)
 
     # ------------------------------------------------------------------ per step
@@ -146,8 +146,8 @@ class LocalGroups(QuorumCoordinator):
             last = self.position == sess.cfg.run.steps
             frags = outer.due(self.position, last,
                               joining=replica.manager.current_step() == self.position)
-            sums = outer.quorum_sum(replica.manager, sess.rank, sess.world, sess.cfg.ft.group,
-                                    sess.cfg.ft.groups, q.position, contribute, frags)
+            sums = outer.quorum_sum(replica.manager, sess.rank, sess.world, self.group,
+                                    self.groups, q.position, contribute, frags)
             if replica.commit():
                 break
             self.why_not = replica.why_not

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from .coordinator import QuorumCoordinator, join, replica_group
+from .coordinator import QuorumCoordinator, join
 from .cross_reduce import QuorumSums, cross_reduce
 from .local_groups import LocalGroups
 from .replica import ReplicaGroup
@@ -66,7 +66,7 @@ class QuorumSteps(QuorumCoordinator):
             sess.sampler.load_state_dict(state["sampler"])
             sess.skipped[:] = state["skipped"]
 
-        self.replica = replica_group(sess, state_fn, load_fn)
+        self.replica = self.replica_group(state_fn, load_fn)
         join(self.replica, sess)
 
     def begin(self, step: int) -> int:
@@ -85,7 +85,7 @@ class QuorumSteps(QuorumCoordinator):
         sess = self.sess
         self.sums = sums = cross_reduce(self.replica.manager, sess.strategy, items,
                                         float(loss_sum), sess.rank, sess.world,
-                                        sess.cfg.ft.group, sess.cfg.ft.groups)
+                                        self.group, self.groups)
         self.current.members = list(sums.members)
         self.current.sent_bytes = sums.sent_bytes
 

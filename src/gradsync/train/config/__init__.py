@@ -7,8 +7,7 @@ every flag once and returns the frozen :class:`RunConfig` the run reads, in sect
 alone. ``plan.py`` is :func:`plan_run`, used by the launcher's preflight and by a worker
 group's rank 0 alike: the run directory prepared and the run planned on its number of
 workers (the accumulation count, fresh or continued, the refusals that need the world).
-The checks that need a rule of their own each have a file, called by ``resolve`` only:
-flags that mean something in one mode (``mode_flags.py``), ``--data-parts``
-(``parts_flags.py``), ``--trace-steps`` (``trace_flags.py``); fault tolerance's refusals
-live with it (``ft/flags.py``).
+Every refusal of a flag lives in ``resolve.py``, made once: ranges and choices, and the
+rules with a story (flags of a mode that is off, what ``--ft-groups`` cannot carry yet,
+``--data-parts``, ``--trace-steps``); what needs the workers is ``plan.py``'s.
 """

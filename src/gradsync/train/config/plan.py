@@ -28,7 +28,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ...data.parted_sampler import check_parts
+from ...data.parted_sampler import check_parts, make_step_sampler
 from ...errors import UsageError
 from ...rundir import CHECKPOINT
 from ...safeload import trusting
@@ -118,6 +118,13 @@ def accumulation(cfg: RunConfig, world: int, resuming: bool = False) -> int:
     raise UsageError(f"--global-batch {batch} is not a multiple of --micro-batch {micro} x "
                      f"{_workers(world)} = {per_step}; try --global-batch {lower} or "
                      f"{lower + per_step}{alt}")
+
+
+def step_sampler(cfg: RunConfig, plan: RunPlan, n: int):
+    """Each step's global batch of ``n`` samples: the sampler this run draws its blocks from
+    (``--data-parts`` P > 1: one stream per part, ``data/parted_sampler.py``)."""
+    batch = cfg.batch
+    return make_step_sampler(n, batch.global_batch, batch.data_parts, plan.world, cfg.run.seed)
 
 
 def check_data_size(cfg: RunConfig, n: int) -> None:

@@ -24,11 +24,13 @@ Six sections, each a frozen dataclass, so a reader finds a value where its idea 
   report, the baseline.
 
 Every refusal of a flag or of a combination of flags lives in exactly one place,
-and is made here: this module's own (ranges, choices, what a model needs) and the
-rules that have a file of their own (``mode_flags.py``: flags of a mode that is off;
-``parts_flags.py``: ``--data-parts``; ``trace_flags.py``: ``--trace-steps``;
-``ft/flags.py``: ``--ft-groups``; ``records/trackers``: ``--log``;
-``checkpoint/identity.py``: ``--override``; ``step/straggler.py``: ``--straggler``).
+and is made here, once: ranges, choices, what a model needs, and the rules with a
+story of their own at the end of this file (flags of a mode that is off,
+:func:`check_mode_flags`; what ``--ft-groups`` cannot carry yet, :func:`check_ft`;
+``--data-parts``, :func:`check_data_parts`; ``--trace-steps``, :func:`traced_steps`).
+Three flags are parsed by the code that reads them, called from here: ``--log``
+(``records/trackers``), ``--override`` (``checkpoint/identity.py``), ``--straggler``
+(``step/straggler.py``).
 :meth:`RunConfig.to_dict` gives the flags back, flat, as config.json and checkpoints
 record them.
 """
@@ -44,15 +46,11 @@ from ...engine.strategy.options import SyncOptions
 from ...engine.strategy.registry import FIXED_BUCKETS, PRECISIONS, STRATEGIES
 from ...errors import UsageError
 from ...factory import is_factory_spec
-from ...ft.flags import check_ft
 from ...models import MODELS
 from ..checkpoint.identity import parse_overrides
 from ..records.trackers import check_log
 from ..step.straggler import Straggler, parse_stragglers
 from ..task.builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
-from .mode_flags import check_mode_flags
-from .parts_flags import check_data_parts
-from .trace_flags import traced_steps
 
 OPTIMIZER_CHOICES = ("auto", *OPTIMIZERS)
 RESUME_CHOICES = ("auto", "must", "never")
@@ -374,8 +372,8 @@ def resolve(cfg) -> RunConfig:
     stragglers = tuple(parse_stragglers(v["straggler"]))
     v["log"] = check_log(v["log"])  # unknown trackers, missing packages: refused now
     check_mode_flags(cfg)  # --sync-every without --sync diloco: refused, not ignored
-    check_ft(cfg)  # --ft-groups with what it cannot carry yet: refused (ft/flags.py)
-    check_data_parts(cfg)  # --data-parts with what it cannot keep apart (parts_flags.py)
+    check_ft(cfg)  # --ft-groups with what it cannot carry yet: refused, not dropped
+    check_data_parts(cfg)  # --data-parts with what it cannot keep apart
     balanced = v["balance"] == "auto" and v["sync"] == "exact" and v["compress"] == "none"
     return RunConfig(
         run=RunSection(**{a: v[f] for f, a in flag_fields(RunSection)}, overrides=overrides),
@@ -388,3 +386,210 @@ def resolve(cfg) -> RunConfig:
         observe=ObserveSection(**{a: v[f] for f, a in flag_fields(ObserveSection)},
                                trace_window=window),
         flag_order=tuple(v))
+
+
+# ---------------------------------------------------------------- the rules with a story
+# Each refusal below concerns flags of several sections; resolve() calls each once.
+
+_LOCAL = ("diloco", "streaming-diloco")
+OFF_VALUES = {"probe_every": 0, "compress_delay": 0}
+"""Values that switch a feature off, accepted whatever the mode."""
+
+
+def _rules(cfg) -> list[tuple[str, bool, str, str]]:
+    """(field, its mode is on, the flag(s) that turn it on, what this run has instead)."""
+    exact = cfg.sync == "exact"
+    compressed = cfg.compress != "none"
+    sync = f"--sync {cfg.sync}"
+    both = sync + (f" --compress {cfg.compress}" if compressed else " and no --compress")
+    local = "--sync diloco or --sync streaming-diloco"
+    return [
+        ("sync_every", cfg.sync in _LOCAL, local, sync),
+        ("outer_lr", cfg.sync in _LOCAL, local, sync),
+        ("outer_momentum", cfg.sync in _LOCAL, local, sync),
+        ("sync_warmup", cfg.sync in _LOCAL, local, sync),
+        ("outer_momentum_warmup", cfg.sync in _LOCAL, local, sync),
+        ("sync_every_max", cfg.sync == "diloco", "--sync diloco", sync),
+        ("sync_eager", cfg.sync == "streaming-diloco", "--sync streaming-diloco", sync),
+        ("fragments", cfg.sync == "streaming-diloco", "--sync streaming-diloco", sync),
+        ("sync_delay", cfg.sync == "streaming-diloco", "--sync streaming-diloco", sync),
+        ("sync_alpha", cfg.sync == "streaming-diloco", "--sync streaming-diloco", sync),
+        ("probe_every", exact and compressed,
+         "--compress (bf16, fp16, int8, powersgd:R) with --sync exact", both),
+        ("compress_delay", exact and compressed,
+         "--compress (bf16, fp16, int8, powersgd:R) with --sync exact", both),
+        ("balance", exact and not compressed, "--sync exact without --compress", both),
+        ("baseline_steps", bool(cfg.baseline), "--baseline", "no --baseline"),
+    ]
+
+
+def _as_flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_mode_flags(cfg) -> None:
+    """Raise one UsageError for the first mode flag given while its mode is off.
+
+    Flags that only mean something in one mode: refused, naming the flag that enables them.
+
+    ``--sync-every 10`` without ``--sync diloco`` used to be accepted and ignored, so a
+    run the user believed was DiLoCo every 10 steps was exact synchronous training.
+    Each flag below belongs to a mode; given while that mode is off it is refused, in
+    one line, before any worker starts.
+
+    "Given" is read from the value: a TrainConfig field is a dataclass default, and a
+    flag set to its default cannot be told apart from one left out (both in the CLI and
+    in ``gs.train(sync_every=25)``). So the rule is: a mode flag whose value differs
+    from its default while its mode is off is refused; one equal to the default passes
+    (it changes nothing either way). A value that *turns the feature off* is accepted
+    in any mode (``--probe-every 0``: never probe, true of an uncompressed run too).
+
+    Which flag belongs to which mode (decided here, documented in docs/train.md):
+
+    * ``--sync-every``, ``--outer-lr``, ``--outer-momentum``, ``--sync-warmup``,
+      ``--outer-momentum-warmup``: ``--sync diloco`` or ``streaming-diloco``;
+    * ``--sync-every-max``: ``--sync diloco`` (streaming's staggered fragments assume one H);
+    * ``--fragments``, ``--sync-delay``, ``--sync-alpha``, ``--sync-eager``: ``--sync
+      streaming-diloco``;
+    * ``--probe-every``, ``--compress-delay``: ``--compress`` with ``--sync exact`` (the probe
+      sums the exact gradient beside the compressed one; DiLoCo's compressed pseudo-gradient
+      has none, nor gradient buckets to delay);
+    * ``--balance auto``: ``--sync exact`` without ``--compress`` (only an exact gradient
+      can be split by speed and stay the same update);
+    * ``--baseline-steps``: ``--baseline``.
+
+    ``--straggler`` is not on the list: it emulates slow workers in every mode (how
+    DiLoCo or a compressor copes with one is a fair question), with or without
+    ``--balance``.
+    """
+    defaults = {f.name: f.default for f in fields(cfg)}
+    for name, enabled, needs, now in _rules(cfg):
+        value = getattr(cfg, name)
+        if enabled or value == defaults[name] or OFF_VALUES.get(name) == value:
+            continue
+        raise UsageError(f"{_as_flag(name)} {value} has no effect with {now}: it needs {needs}; "
+                         f"add that, or drop {_as_flag(name)}")
+
+
+def check_ft(cfg) -> None:
+    """Refuse flag combinations a fault-tolerant run cannot honour, naming the flag.
+
+    What ``--ft-groups`` / ``--ft-group`` accept, checked before anything starts.
+
+    Fault-tolerant runs carry ddp and ZeRO stages 1-3 inside a group and sum exactly
+    across groups (each rank sums the slice it owns; a healing rank loads its own
+    shard without a collective, since torchft heals some ranks of a group and not
+    others), and ``--sync diloco`` or ``streaming-diloco`` with one DiLoCo worker per group
+    (``local_groups.py``; streaming's fragment sums are taken at their sync step through the
+    quorum and kept aside until applied, the plain run's trajectory without its overlap).
+    What they do not carry yet is refused in one line rather than silently dropped:
+    compression across the quorum (its error-feedback state is per rank, and a
+    healing rank would need its peer's), the speed balancer (the quorum deals each
+    step's batch) and the reference collectives.
+    """
+    if not isinstance(cfg.ft_groups, int) or cfg.ft_groups < 0:
+        raise UsageError(f"--ft-groups must be an integer >= 0, got {cfg.ft_groups!r}")
+    if cfg.ft_group != -1 and not cfg.ft_groups:
+        raise UsageError("--ft-group needs --ft-groups N, the number of replica groups")
+    if cfg.ft_groups and not -1 <= cfg.ft_group < cfg.ft_groups:
+        raise UsageError(f"--ft-group must be in 0..{cfg.ft_groups - 1} for --ft-groups "
+                         f"{cfg.ft_groups}, got {cfg.ft_group}")
+    if not cfg.ft_timeout > 0:
+        raise UsageError(f"--ft-timeout must be > 0, got {cfg.ft_timeout!r}")
+    if not cfg.ft_groups:
+        return
+    refused = [(cfg.strategy not in ("ddp", "zero1", "zero2", "zero3"),
+                f"--strategy {cfg.strategy}"),
+               (cfg.compress != "none", f"--compress {cfg.compress}"),
+               (cfg.balance != "off", f"--balance {cfg.balance}"),
+               # fp16's overflow verdict is taken inside each group, before the groups' sum
+               (cfg.precision == "fp16", "--precision fp16"),
+               (cfg.baseline, "--baseline"),
+               (cfg.collectives not in ("native", "auto"), f"--collectives {cfg.collectives}")]
+    for bad, flag in refused:
+        if bad:
+            raise UsageError(f"{flag} does not combine with --ft-groups yet: across replica "
+                             "groups gradsync sums the exact gradient of --strategy ddp or "
+                             "zero1-3 (--sync exact, diloco or streaming-diloco, --precision "
+                             "fp32 or bf16, --compress none, --balance off, --collectives "
+                             "native or auto); see docs/fault_tolerance.md")
+    for name in ("sync_warmup", "outer_momentum_warmup", "sync_every_max", "sync_eager"):
+        if getattr(cfg, name):  # a group's outer syncs are due every --sync-every (local_groups.py)
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} does not combine "
+                             "with --ft-groups yet: across replica groups the outer sync comes "
+                             "every --sync-every steps through the quorum, from the first step")
+    if cfg.ft_group == -1 and cfg.global_batch < cfg.ft_groups * cfg.workers:
+        raise UsageError(f"--global-batch {cfg.global_batch} is smaller than --ft-groups "
+                         f"{cfg.ft_groups} x --workers {cfg.workers}: every worker needs a sample")
+
+
+def check_data_parts(cfg) -> None:
+    """What ``--data-parts P`` (non-IID data, ``data/parted_sampler.py``) accepts, and what
+    it refuses, before anything starts (``plan.py`` checks it against the workers).
+
+    What ``--data-parts P`` (non-IID data, ``data/parted_sampler.py``) accepts, and what it refuses.
+
+    Checked before anything starts, each refusal one line naming the numbers or the flag:
+
+    * ``P`` must divide ``--global-batch`` (every part gives ``B/P`` samples a step) and the
+      number of workers ``K`` (every block of ``K/P`` workers reads one part). ``K`` is known
+      to ``gradsync train`` before it launches (``--workers``) and to rank 0 of a worker
+      group under torchrun: ``config/plan.py`` checks it where the world is known, through
+      the sampler's own check (``data/parted_sampler.check_parts``); a run resumed on another
+      ``K`` is held to it too (the per-part positions are global, so any multiple of ``P``
+      continues exactly).
+    * ``--balance auto`` is refused: it moves samples from a slow worker to a fast one, and
+      with parts a worker's samples must come from its own part; balancing inside a block
+      would be possible but is not built.
+    * ``--ft-groups`` is refused: the quorum deals each step's batch over whichever groups
+      are alive (``ft/shares.py``), which cannot keep a part on its own block.
+    * ``--straggler`` is accepted: it only slows a worker, whose share stays its own.
+    * ``--sync diloco|streaming-diloco`` and ``--compress`` are accepted: the sampler only
+      decides which samples a worker reads. With ``--collectives hierarchical`` and ``P`` =
+      number of hosts, each DiLoCo worker (a host) trains on its own part.
+    """
+    parts = cfg.data_parts
+    if not isinstance(parts, int) or parts < 1:
+        raise UsageError(f"--data-parts must be an integer >= 1, got {parts!r}")
+    if parts == 1:
+        return
+    if cfg.global_batch % parts:
+        raise UsageError(f"--data-parts {parts} must divide --global-batch "
+                         f"({cfg.global_batch}): every part gives an equal share of each step")
+    for bad, flag, why in (
+            (cfg.balance != "off", f"--balance {cfg.balance}",
+             "balancing moves samples between workers, and with parts a worker's samples "
+             "must come from its own part"),
+            (cfg.ft_groups, f"--ft-groups {cfg.ft_groups}",
+             "the quorum deals each step over the groups alive, which cannot keep a part "
+             "on its own workers")):
+        if bad:
+            raise UsageError(f"{flag} does not combine with --data-parts {parts}: {why}")
+
+
+def traced_steps(trace: bool, trace_steps: str, steps: int) -> tuple[int, int] | None:
+    """The traced steps (1-based, inclusive), or None: ``--trace-steps`` FIRST:LAST or one
+    step, within ``steps``; with ``--trace`` alone, steps 3 to 5 clipped to the run."""
+    if not trace:
+        return None
+    if not trace_steps:
+        first = min(3, steps)
+        return first, min(first + 2, steps)
+    text = trace_steps.strip()
+    parts = text.split(":")
+    try:
+        if len(parts) == 1:
+            first = last = int(parts[0])
+        elif len(parts) == 2:
+            first, last = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--trace-steps must be FIRST:LAST or one step number, "
+                         f"got {trace_steps!r}") from None
+    if first < 1 or last < first:
+        raise UsageError(f"--trace-steps {text}: need 1 <= FIRST <= LAST")
+    if last > steps:
+        raise UsageError(f"--trace-steps {text} goes beyond the last step (--steps "
+                         f"{steps}); choose a window within 1:{steps}")
+    return first, last

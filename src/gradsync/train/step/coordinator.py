@@ -89,14 +89,17 @@ class StepCoordinator(Protocol):
 class LocalSteps:
     """This worker group is the whole run: every step commits, the block is dealt evenly
     (``block[r::K]``) or, with ``--balance auto``, by measured speed (``balancer``).
-    ``say``: a line for the user (rank 0's display), or None."""
 
-    def __init__(self, rank: int, world: int, global_batch: int, accumulation: int,
-                 balanced: bool, say: Callable[[str], None] | None = None):
-        self.rank, self.world, self.accumulation = rank, world, accumulation
-        self.counts = [global_batch // world] * world
-        self.balancer = (ShareBalancer(world, global_batch, accumulation) if balanced
-                         else None)
+    ``cfg``: the resolved config (its ``batch`` section), ``plan``: the run on its
+    workers (their number, the accumulation count); ``say``: a line for the user
+    (rank 0's display), or None."""
+
+    def __init__(self, cfg, plan, rank: int, say: Callable[[str], None] | None = None):
+        batch, world = cfg.batch, plan.world
+        self.rank, self.world, self.accumulation = rank, world, plan.accumulation
+        self.counts = [batch.global_batch // world] * world
+        self.balancer = (ShareBalancer(world, batch.global_batch, plan.accumulation)
+                         if batch.balanced else None)
         self.say = say
 
     @property

@@ -147,7 +147,8 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
     saved = steps.observe(step, figures["share_by_rank"], figures["busy_s_by_rank"])
     sess.inst.end_step(step)
     stop = problem is not None and cfg.optim.on_nonfinite == "stop"
-    eval_loss, eval_metrics = (None, None) if stop else maybe_evaluate(sess, step)
+    share = len(block) // sess.world  # a training step's share: what evaluation takes at once
+    eval_loss, eval_metrics = (None, None) if stop else maybe_evaluate(sess, step, share)
     sess.last_loss = global_loss
     sess.items_per_step = int(total_items)
     rate = total_items / step_s
@@ -158,7 +159,7 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
                      loss_scale=scaler.used if scaler is not None else None,
                      eval_metrics=eval_metrics,
                      time_s=time.perf_counter() - sess.loop_started, unix_time=time.time(),
-                     samples_per_s=cfg.batch.global_batch / step_s,
+                     samples_per_s=len(block) / step_s,
                      tokens_per_s=rate if sess.unit == "tokens" else None,
                      balance_saved_s=saved,
                      host_reads=reads.count + host.reads - reads0 if reads else None,
@@ -182,23 +183,23 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
     return rec
 
 
-def maybe_evaluate(sess: Session, step: int) -> tuple[float | None, dict | None]:
+def maybe_evaluate(sess: Session, step: int, share: int) -> tuple[float | None, dict | None]:
     """(held-out loss, metrics) on an evaluation step, else (None, None)."""
     every = sess.cfg.observe.eval_every
     if not every or sess.task.data.eval is None:
         return None, None
     if step % every and step != sess.cfg.run.steps:
         return None, None
-    sess.last_eval, metrics = evaluate(sess)
+    sess.last_eval, metrics = evaluate(sess, share)
     return sess.last_eval, metrics if sess.task.data.metrics else None
 
 
 @torch.no_grad()
-def evaluate(sess: Session) -> tuple[float | None, dict[str, float]]:
+def evaluate(sess: Session, share: int) -> tuple[float | None, dict[str, float]]:
     """The exact mean loss over the whole held-out set, the same number on every rank,
     and ``TrainData.metrics`` over it (``task/eval_metrics.py``), in the same all-reduce.
 
-    Rank ``r`` takes samples ``r, r + K, ...``, a training step's share at a time
+    Rank ``r`` takes samples ``r, r + K, ...``, ``share`` at a time (a training step's)
     (no activations are kept for backward, so a forward of that size fits); every
     rank runs the same number of forwards (ZeRO-3 gathers parameters inside
     forward, a collective), a rank with nothing left running one on sample 0 that
@@ -207,7 +208,7 @@ def evaluate(sess: Session) -> tuple[float | None, dict[str, float]]:
     data, task, model = sess.task.data.eval, sess.task, sess.strategy.model
     metrics = task.data.metrics
     mine = list(range(sess.rank, len(data), sess.world))
-    m = sess.cfg.batch.global_batch // sess.world
+    m = share
     rounds = math.ceil(math.ceil(len(data) / sess.world) / m)
     was_training = model.training
     model.eval()

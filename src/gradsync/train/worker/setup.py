@@ -19,7 +19,6 @@ import time
 import torch
 
 from ... import dist as gdist
-from ...data.parted_sampler import make_step_sampler
 from ...errors import UsageError
 from ...ft import quorum_step
 from ...rundir import (
@@ -36,7 +35,7 @@ from ...rundir import (
 from ...safeload import trusting
 from ..checkpoint import state
 from ..checkpoint.restarts import note_restart
-from ..config.plan import RunPlan, check_data_size, plan_run
+from ..config.plan import RunPlan, check_data_size, plan_run, step_sampler
 from ..config.resolve import RunConfig
 from ..records.instrument import Instruments, baseline_rate_of
 from ..records.progress import RunDisplay
@@ -118,15 +117,13 @@ def setup(cfg: RunConfig, model_fn=None, data_fn=None, faults: FaultInjector | N
         **(coordinate.strategy_options if coordinate else {}))
     sched = sched or torch.optim.lr_scheduler.LambdaLR(
         strategy.optimizer, lambda s: lr_factor(s, cfg, plan.schedule_steps))
-    batch = cfg.batch
     sess = Session(cfg, plan, rank, world, info.device, info.backend, task, strategy,
-                   make_step_sampler(n, batch.global_batch, batch.data_parts, world, cfg.run.seed),
-                   sched, faults, Instruments(cfg, rank, world, info.device),
+                   step_sampler(cfg, plan, n), sched, faults,
+                   Instruments(cfg, rank, world, info.device),
                    os.path.join(cfg.run.out, CHECKPOINT), started, lock=lock)
-    sess.slowdown = Slowdown(batch.stragglers, rank)
+    sess.slowdown = Slowdown(cfg.batch.stragglers, rank)
     sess.coordinator = coordinate(sess) if coordinate else LocalSteps(
-        rank, world, batch.global_batch, plan.accumulation, batch.balanced,
-        say=lambda line: sess.display.say(line) if sess.display else None)
+        cfg, plan, rank, say=lambda line: sess.display.say(line) if sess.display else None)
     sess.world_sizes = list(plan.world_sizes) if plan.action == "resume" else []
     if plan.action == "resume":
         with trusting(cfg.run.trust_checkpoint_code):  # every rank reads data only, unless opted in
