@@ -72,29 +72,9 @@ def continue_command(out: str, argv: list[str], workers: int | None = None) -> s
     return "gradsync " + shlex.join(keep + new)
 
 
-def baseline_config(cfg, accumulation: int):
-    """One worker, the same micro-batch and accumulation: the per-worker work of the real run.
-
-    Scaling efficiency is throughput with K workers over K times this; only the
-    global batch shrinks (micro-batch x accumulation), so per-worker compute per
-    step is identical and the difference is communication and waiting. Another run's
-    flags, so resolved (and checked) as its own.
-    """
-    from ..train.config.train_config import TrainConfig
-
-    steps = cfg.observe.baseline_steps
-    return TrainConfig(**{
-        **cfg.to_dict(), "workers": 1, "global_batch": cfg.batch.micro_batch * accumulation,
-        "steps": steps, "warmup": min(cfg.optim.warmup, steps),
-        "out": os.path.join(cfg.run.out, "baseline"), "trace": False, "trace_steps": "",
-        "drift_every": 0, "baseline": False, "no_report": True, "checkpoint_every": 0,
-        "eval_every": 0, "resume": "auto", "port": 0, "max_restarts": 0, "log": "",
-        "baseline_steps": TrainConfig.baseline_steps,  # its default: no --baseline here
-        "data_parts": 1}).resolved()  # one worker reads the whole set; the work per step alike
-
-
 def _run_baseline(cfg, accumulation: int) -> None:
     from ..launch import launch
+    from ..train.config.train_config import baseline_config
     from ..train.worker.loop import run_worker
 
     bcfg = baseline_config(cfg, accumulation)

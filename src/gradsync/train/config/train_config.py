@@ -15,10 +15,13 @@ the one place every refusal lives -- and shows the defaults that resolving fille
 reads the frozen :class:`~gradsync.train.config.resolve.RunConfig` that ``resolve``
 returns, which also holds what follows from the flags (the optimizer ``auto`` stands
 for, whether steps are balanced, the traced window, the parsed stragglers, ...).
+Another run's flags derived from a run's -- ``--baseline``'s one worker -- are made here
+too (:func:`baseline_config`), and resolved as that run's own.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 
 from ...dist import BACKENDS
@@ -148,3 +151,22 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def baseline_config(cfg: RunConfig, accumulation: int) -> RunConfig:
+    """One worker, the same micro-batch and accumulation: the per-worker work of the real run.
+
+    Scaling efficiency is throughput with K workers over K times this; only the
+    global batch shrinks (micro-batch x accumulation), so per-worker compute per
+    step is identical and the difference is communication and waiting. Another run's
+    flags, so resolved (and checked) as its own.
+    """
+    steps = cfg.observe.baseline_steps
+    return TrainConfig(**{
+        **cfg.to_dict(), "workers": 1, "global_batch": cfg.batch.micro_batch * accumulation,
+        "steps": steps, "warmup": min(cfg.optim.warmup, steps),
+        "out": os.path.join(cfg.run.out, "baseline"), "trace": False, "trace_steps": "",
+        "drift_every": 0, "baseline": False, "no_report": True, "checkpoint_every": 0,
+        "eval_every": 0, "resume": "auto", "port": 0, "max_restarts": 0, "log": "",
+        "baseline_steps": TrainConfig.baseline_steps,  # its default: no --baseline here
+        "data_parts": 1}).resolved()  # one worker reads the whole set; the work per step alike
