@@ -192,7 +192,7 @@ def test_terminal_bytes_line_and_summary_totals(runs):
         exact = 8679 if name == "exact" else 6 * ring(GRAD, 2)
         assert s["gradient_bytes"] == [GRAD] and (s["sent_bytes"], s["exact_bytes"]) == (
             sent, exact), name
-        line = _traffic_line(_cfg(run), Summary.from_json(s))
+        line = _traffic_line(_cfg(run).resolved(), Summary.from_json(s))
         assert line.startswith(f"{size(sent)} over 6 steps; ratio to exact "), line
         if name != "exact":
             assert f"{sent / exact:.3g} (exact all-reduce: 7.27 KiB (7,440 B)" in line

@@ -349,3 +349,21 @@ def test_an_optimizer_factory_by_file_path_loads_like_a_model_factory(tmp_path, 
                                          r"two arguments, optimizer and total_steps"):
         scheduler_factory(gs.TrainConfig(out="u",
                                          scheduler="./own_opt_by_path.py:one").resolved())
+
+
+def test_a_registered_builder_that_hands_the_groups_on_gets_them_resolved():
+    """A strategy registered by a user builds its optimizer as
+    ``optimizer_class(module.parameters(), **opt_kwargs)`` (the benchmark's torch-ddp
+    anchor does): the named groups it passes on, or drops, are resolved by name."""
+    from gradsync.train.task.optim import factory_optimizer, named_groups
+
+    model = normed64()
+    cfg = gs.TrainConfig(model="tests.train.factories:normed64", data="teacher", out="unused",
+                         weight_decay=0.2).resolved()
+    groups = named_groups(model, cfg)
+    build = factory_optimizer(user_adamw, "f", 0.1, False, model, groups)
+    for opt in (build(model.parameters(), param_groups=groups), build(model.parameters())):
+        assert [(g["name"], g["weight_decay"], len(g["params"])) for g in opt.param_groups] \
+            == [("decay", 0.2, 2), ("no_decay", 0.0, 4)]
+    with pytest.raises(UsageError, match="tensors gradsync cannot name"):
+        build([nn.Parameter(torch.zeros(3))], param_groups=groups)

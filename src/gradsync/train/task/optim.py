@@ -49,6 +49,7 @@ from torch import nn
 
 from ...engine.sharded.zero import check_elementwise
 from ...engine.strategy.registry import FIXED_BUCKETS, build_strategy
+from ...engine.sync.param_groups import module_param_groups
 from ...errors import UsageError
 from ...factory import load_factory
 from .builtins import OPTIMIZERS
@@ -121,22 +122,35 @@ def named_groups(module: nn.Module, cfg) -> list[dict]:
             for opts in group_options(cfg)]
 
 
-def factory_optimizer(factory: Callable, name: str, lr: float, sharded: bool) -> Callable:
+def factory_optimizer(factory: Callable, name: str, lr: float, sharded: bool,
+                      module: nn.Module | None = None, groups: list[dict] | None = None
+                      ) -> Callable:
     """An optimizer factory as the optimizer class a strategy calls: once, on the groups
     the strategy resolved (``build_strategy(..., param_groups=...)``). What the factory
     returns is checked: an optimizer, over exactly those tensors, and elementwise when
-    the strategy shards (ZeRO's own check is made on the result, not on the factory)."""
+    the strategy shards (ZeRO's own check is made on the result, not on the factory).
 
-    def build(param_groups, **kwargs) -> torch.optim.Optimizer:
+    A strategy registered by a user may build its optimizer on the module's own
+    parameters and pass the named groups on unresolved (``param_groups=``, as every
+    keyword of ``build_strategy`` reaches a builder): with ``module`` and the run's
+    ``groups`` they are resolved here, by parameter name, as the built-in ``ddp`` does.
+    """
+
+    def build(params, **kwargs) -> torch.optim.Optimizer:
+        named = kwargs.pop("param_groups", None)
         if kwargs:
             raise UsageError(f"optimizer factory {name}: the strategy passed options "
                              f"{sorted(kwargs)}; a factory takes only its parameter groups")
-        groups = [dict(g) for g in param_groups]
-        opt = factory(groups, lr)
+        params = list(params)
+        if params and all(isinstance(g, Mapping) for g in params):
+            resolved = [dict(g) for g in params]  # by the strategy (every built-in one)
+        else:
+            resolved = _own(params, named if named is not None else groups)
+        opt = factory(resolved, lr)
         if not isinstance(opt, torch.optim.Optimizer):
             raise UsageError(f"optimizer factory {name} returned {type(opt).__name__}, not a "
                              "torch.optim.Optimizer")
-        given = {id(t) for g in groups for t in g["params"]}
+        given = {id(t) for g in resolved for t in g["params"]}
         stepped = {id(t) for g in opt.param_groups for t in g["params"]}
         if stepped != given:
             raise UsageError(f"optimizer factory {name} built its optimizer on other tensors "
@@ -145,6 +159,18 @@ def factory_optimizer(factory: Callable, name: str, lr: float, sharded: bool) ->
         if sharded:
             check_elementwise(type(opt))
         return opt
+
+    def _own(params: list, named) -> list[dict]:
+        """``named`` resolved to ``params`` when they are the module's own parameters."""
+        own = {id(p) for p in module.parameters()} if module is not None else set()
+        if named is None or not params or any(id(p) not in own for p in params):
+            if named is None:
+                return [{"params": params}]
+            raise UsageError(f"optimizer factory {name}: the strategy built its optimizer on "
+                             "tensors gradsync cannot name, so the parameter groups (no "
+                             "weight decay on biases and norms) cannot reach it; resolve "
+                             "build_strategy's param_groups= in its builder")
+        return module_param_groups(module, named, f"optimizer factory {name}")
 
     build.__name__ = name
     build.gradsync_elementwise = True  # ZeroOptimizer's check: made on the result instead
@@ -160,7 +186,7 @@ def build_with_optimizer(task, cfg, device, planned: int, **strategy_options):
     groups = named_groups(module, cfg)  # named before wrapping (zero3 replaces them)
     sync = cfg.sync
     opt = factory_optimizer(task.optimizer_factory, cfg.optim.optimizer_name, cfg.optim.lr,
-                            sharded=sync.strategy in FIXED_BUCKETS)
+                            sync.strategy in FIXED_BUCKETS, module, groups)
     strategy = build_strategy(module, sync.strategy, sync.precision, opt,
                               bucket_cap_mb=sync.bucket_cap_mb, sync=sync.options,
                               find_unused_parameters=sync.find_unused_parameters,
