@@ -34,7 +34,7 @@ from .heap import keep_freed_memory
 from .lifeline import die_with
 
 _ECHO_GRACE_S = 3.0
-PEER_RECORD_GRACE_S = 1.0  # after a worker fails, before the agent stops the rest
+PEER_RECORD_WAIT_S = 5.0  # after a worker fails, the most the agent waits for peers' records
 
 
 def _caller_name(depth: int = 2) -> str:
@@ -122,6 +122,16 @@ def _worker_entry(fn: Callable, backend: str | None, timeout_s: float | None,
     return result
 
 
+def _wait_for_records(run_id: str, attempt: int, ranks: list[int]) -> None:
+    """Until each of ``ranks`` has a flight record of ``attempt``, at most PEER_RECORD_WAIT_S."""
+    folder = hang_report.flight_dir(run_id) / f"attempt-{attempt}"
+    deadline = time.monotonic() + PEER_RECORD_WAIT_S
+    while time.monotonic() < deadline:
+        if all((folder / f"rank-{r}.json").exists() for r in ranks):
+            return
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def _watch_restarts(on_restart: Callable[[list[dict]], None] | None):
     """Tell ``on_restart`` which workers failed, before the agent restarts them; and
@@ -148,11 +158,18 @@ def _watch_restarts(on_restart: Callable[[list[dict]], None] | None):
                 # blocked in a collective with the dead rank needs a moment to see
                 # the broken connection and write its flight record, which is what
                 # the hang report names the dead rank from (seen on a loaded machine:
-                # stopped first, no record, no report). With no peer left on this
-                # node (one worker, or all failed) there is nobody to wait for: a
-                # replica group of one worker restarts 1 s sooner.
-                if len(result.failures) < len(worker_group.workers):
-                    time.sleep(PEER_RECORD_GRACE_S)
+                # stopped after a fixed 1 s, no record, no report). So wait until
+                # every surviving worker on this node has written its record, at most
+                # PEER_RECORD_WAIT_S (a peer busy computing meets the broken
+                # connection at its next collective; one that never does costs the
+                # restart those seconds). With no peer left on this node there is
+                # nobody to wait for.
+                survivors = [w.global_rank for w in worker_group.workers
+                             if w.global_rank not in result.failures]
+                if survivors:
+                    attempt = worker_group.spec.max_restarts - self._remaining_restarts
+                    _wait_for_records(worker_group.spec.rdzv_handler.get_run_id(),
+                                      attempt, survivors)
             return result
 
         def _start_workers(self, worker_group):
