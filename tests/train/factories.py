@@ -277,3 +277,22 @@ def regression64_metrics() -> gs.TrainData:
     data = regression64()
     data.metrics = {"mae": abs_error, "sign": positive}
     return data
+
+
+def _teacher(n: int, seed: int):
+    """Inputs and the outputs of a fixed random tanh layer (seed 7): learnable, so the
+    held-out loss falls, then levels off (what --keep-best and --early-stop watch)."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(D_IN, D_OUT, generator=g, dtype=torch.float64)
+    x = torch.randn(n, D_IN, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return x, torch.tanh(x @ w)
+
+
+def teacher64() -> gs.TrainData:
+    """Float64 regression on a teacher, with a held-out set of the same teacher and the
+    two metrics of regression64_metrics."""
+    x, y = _teacher(48, 1)
+    hx, hy = _teacher(16, 2)
+    return gs.TrainData(train=Recording(x, y), eval=torch.utils.data.TensorDataset(hx, hy),
+                        loss_fn=F.mse_loss, items_fn=samples, item_name="samples",
+                        metrics={"mae": abs_error, "sign": positive})

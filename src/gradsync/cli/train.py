@@ -152,7 +152,7 @@ def train_job(cfg, argv: list[str], out: str | None = None) -> int:
         if lock.note():
             print(f"gradsync train: {lock.note()}")
         if plan.action == "finished":
-            print(finished_line(cfg, plan.step, plan.schedule_steps))
+            print(finished_line(cfg, plan.step, plan.schedule_steps, plan.notes))
             repair_summary(cfg.run.out)
             return 0
         was, workers, steps = plan.was_world, cfg.run.workers, cfg.run.steps

@@ -171,7 +171,7 @@ def train(config: TrainConfig | dict | None = None, model=None, data=None, *,
         if lock.note():
             print(f"gradsync train: {lock.note()}", flush=True)
         if plan.action == "finished":
-            print(finished_line(cfg, plan.step, plan.schedule_steps), flush=True)
+            print(finished_line(cfg, plan.step, plan.schedule_steps, plan.notes), flush=True)
             repair_summary(cfg.run.out)
             return None
         try:

@@ -16,11 +16,13 @@ from ...data.sampler import StepSampler
 from ...engine.strategy.base import Strategy
 from ...rundir import MetricsWriter
 from ..checkpoint.guard import RunLock
+from ..checkpoint.kept import Kept
 from ..config.plan import RunPlan
 from ..config.resolve import RunConfig
 from ..records.instrument import Instruments
 from ..records.progress import RunDisplay
 from ..step.coordinator import StepCoordinator
+from ..step.monitor import Watch
 from ..step.straggler import Slowdown
 from ..task.build import Task
 from .faults import FaultInjector
@@ -60,6 +62,8 @@ class Session:
     items_per_step: int = 0
     coordinator: StepCoordinator | None = None  # who takes part in each step (step/coordinator)
     slowdown: Slowdown | None = None  # --straggler: this rank's emulated slowness
+    watch: Watch = field(default_factory=Watch)  # --keep-best, --early-stop (step/monitor)
+    kept: Kept = field(default_factory=Kept)  # --keep-last (checkpoint/kept.py)
 
     @property
     def unit(self) -> str:
