@@ -114,7 +114,11 @@ def run(args) -> int:
         from ..train.config.flags import from_args
 
     argv = list(getattr(args, "argv", None) or sys.argv[1:])
-    cfg = from_args(args).resolved()  # every flag checked, once
+    given = from_args(args, argv[1:] if argv[:1] == ["train"] else argv)  # --config's too
+    cfg = given.resolved()  # every flag checked, once
+    if args.print_config:  # the resolved flags as a --config file; nothing starts
+        print(given.to_toml(), end="")
+        return 0
     if cfg.ft.launcher:  # one machine: a lighthouse and N groups
         from .train_groups import run_groups
 

@@ -22,11 +22,12 @@ too (:func:`baseline_config`), and resolved as that run's own.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from ...dist import BACKENDS
 from ...engine.strategy.options import COLLECTIVES, SYNC_METHODS, SyncOptions
 from ...engine.strategy.registry import PRECISIONS, STRATEGIES
+from .file import read_toml, to_toml
 from .resolve import (
     BALANCE_CHOICES,
     CLIP_RECIPE,  # noqa: F401 - the field's help names it; re-exported for readers
@@ -159,6 +160,17 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_file(cls, path: str, **overrides) -> TrainConfig:
+        """The flags of a TOML file (``gradsync train --config``; ``config/file.py``),
+        ``overrides`` replacing its values."""
+        return cls(**{**read_toml(path, list(fields(cls))), **overrides})
+
+    def to_toml(self) -> str:
+        """The resolved flags as a config file (``--print-config``): ``from_file`` of it
+        is the same run."""
+        return to_toml(self.resolved().to_dict(), list(fields(self)))
 
 
 def baseline_config(cfg: RunConfig, accumulation: int) -> RunConfig:
