@@ -296,3 +296,17 @@ def teacher64() -> gs.TrainData:
     return gs.TrainData(train=Recording(x, y), eval=torch.utils.data.TensorDataset(hx, hy),
                         loss_fn=F.mse_loss, items_fn=samples, item_name="samples",
                         metrics={"mae": abs_error, "sign": positive})
+
+
+INIT_ENV = "GRADSYNC_TEST_INIT"
+
+
+def tiny64_from_env() -> nn.Module:
+    """tiny64 holding the weights of the safetensors file ``$GRADSYNC_TEST_INIT``, loaded
+    by the factory itself: what ``--init-from`` of that file must train exactly like."""
+    from safetensors.torch import load_model
+
+    model = tiny64()
+    if not next(model.parameters()).is_meta:  # the free-space estimate builds it on meta
+        load_model(model, os.environ[INIT_ENV])
+    return model

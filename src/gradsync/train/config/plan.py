@@ -38,6 +38,7 @@ from ..checkpoint.kept import install, resolve_ref
 from ..checkpoint.size import space_needed
 from ..checkpoint.state import decide
 from ..checkpoint.unit import read_unit
+from ..task.init_from import source_kind
 from .resolve import RunConfig
 
 
@@ -232,11 +233,17 @@ def plan_run(cfg: RunConfig, world: int, *, locked: bool = False, model_fn=None,
             accum = accumulation(cfg, world, resuming=decision.action != "fresh")
         if decision.action == "resume":
             _check_local_sync_world(cfg, decision.was_world, world, continue_with)
+        notes = tuple(decision.notes)
+        if cfg.task.init_from and decision.action == "fresh":
+            source_kind(cfg.task.init_from)  # its kind, before any worker reads it
+        elif cfg.task.init_from and decision.action == "resume":
+            notes += (f"--init-from is for a fresh start; the run continues from its checkpoint "
+                      f"(step {decision.step}) and does not read {cfg.task.init_from}",)
     except BaseException:
         if lock:
             lock.release()
         raise
     plan = RunPlan(world, accum, decision.action, decision.step, decision.was_world,
                    tuple(decision.world_sizes), decision.run_id, decision.schedule_steps,
-                   tuple(decision.notes))
+                   notes)
     return plan, lock

@@ -45,6 +45,7 @@ from ..step.coordinator import LocalSteps
 from ..step.monitor import Watch, check_watched
 from ..step.straggler import Slowdown
 from ..task.build import build_task
+from ..task.init_from import init_weights
 from ..task.optim import build_with_optimizer
 from ..task.schedule import finished_line, lr_factor
 from .faults import FaultInjector
@@ -110,6 +111,8 @@ def setup(cfg: RunConfig, model_fn=None, data_fn=None, faults: FaultInjector | N
             if lock:
                 lock.release()
         return None
+    if plan.action == "fresh" and cfg.task.init_from:  # weights to start from, every rank
+        init_weights(task.model, cfg.task.init_from, cfg.run.model, cfg.run.trust_checkpoint_code)
     n = len(task.data.train)
     check_data_size(cfg, n)
     check_watched(cfg.checkpoints.watched, task.data.metrics, task.data.eval)  # every rank alike
