@@ -310,3 +310,12 @@ def tiny64_from_env() -> nn.Module:
     if not next(model.parameters()).is_meta:  # the free-space estimate builds it on meta
         load_model(model, os.environ[INIT_ENV])
     return model
+
+
+def teacher32() -> gs.TrainData:
+    """teacher64 in float32 (for bf16 runs): samples a float32 model reads, the loss default."""
+    x, y = _teacher(48, 1)
+    hx, hy = _teacher(16, 2)
+    return gs.TrainData(train=torch.utils.data.TensorDataset(x.float(), y.float()),
+                        eval=torch.utils.data.TensorDataset(hx.float(), hy.float()),
+                        metrics={"mae": abs_error})

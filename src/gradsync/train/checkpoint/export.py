@@ -79,21 +79,22 @@ def _shown(spec: str) -> str:
     return shlex.quote(spec) if spec.isprintable() else repr(spec)
 
 
-def model_spec(named: str | None, config: dict, run_dir: str) -> str:
-    """The model to rebuild: the command line's ``--model``, or the run's own when that
-    is a built-in name. A factory the run recorded is never imported on its word."""
+def model_spec(named: str | None, config: dict, run_dir: str, command: str = "gradsync export",
+               flag: str = "model", builtins=MODELS) -> str:
+    """The model (``flag``: or the data) to rebuild: the command line's, or the run's own
+    when that is a built-in name. A factory the run recorded is never imported on its word."""
     if named:
         return named
-    recorded = config.get("model")
-    if isinstance(recorded, str) and recorded in MODELS:
+    recorded = config.get(flag)
+    if isinstance(recorded, str) and recorded in builtins:
         return recorded
     if isinstance(recorded, str) and is_factory_spec(recorded):
-        raise UsageError(f"{run_dir} was trained with --model {_shown(recorded)}, which "
-                         "gradsync export imports only when the command line names it (a run "
+        raise UsageError(f"{run_dir} was trained with --{flag} {_shown(recorded)}, which "
+                         f"{command} imports only when the command line names it (a run "
                          "directory may come from someone else, and importing a factory runs "
-                         f"its code): if you trust that code, pass --model {_shown(recorded)}")
-    raise UsageError(f"the run's model {recorded!r} cannot be rebuilt: pass --model "
-                     f"pkg.module:factory (or one of {', '.join(MODELS)})")
+                         f"its code): if you trust that code, pass --{flag} {_shown(recorded)}")
+    raise UsageError(f"the run's {flag} {recorded!r} cannot be rebuilt: pass --{flag} "
+                     f"pkg.module:factory (or one of {', '.join(builtins)})")
 
 
 def _whole(value, default: int) -> int:

@@ -283,6 +283,10 @@ def resolve_ref(path: str, flag: str) -> str:
         if isinstance(step, int) and os.path.isfile(os.path.join(parent, unit_name(step),
                                                                  CHECKPOINT)):
             return os.path.join(parent, unit_name(step))
+        if index is None:
+            raise UsageError(f"{flag} {path}: {os.path.dirname(parent) or '.'} keeps no "
+                             "checkpoint besides its newest (it was trained without --keep-last "
+                             "or --keep-best); name the run directory for its newest")
         how = " (it was trained without --keep-best)" if name == "best" else ""
         raise UsageError(f"{flag} {path}: {os.path.join(parent, KEPT_INDEX)} names no {name} "
                          f"checkpoint{how}")
