@@ -319,3 +319,37 @@ def teacher32() -> gs.TrainData:
     return gs.TrainData(train=torch.utils.data.TensorDataset(x.float(), y.float()),
                         eval=torch.utils.data.TensorDataset(hx.float(), hy.float()),
                         metrics={"mae": abs_error})
+
+
+class _Block(nn.Module):
+    """A residual tanh block with dropout (the recomputed forward must draw the same mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(HIDDEN, HIDDEN)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        return x + self.drop(torch.tanh(self.fc(x)))
+
+
+class _Blocks(nn.Module):
+    """tiny64's shape with its hidden layers as a ModuleList of blocks: what
+    --activation-checkpointing (and zero3's default wrap) finds."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, HIDDEN)
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.out = nn.Linear(HIDDEN, D_OUT)
+        self.double()
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def blocks64() -> nn.Module:
+    return _Blocks()

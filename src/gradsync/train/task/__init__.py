@@ -6,6 +6,9 @@
 model's output are read (pairs, transformers' dicts and ``labels``); ``eval_metrics.py``
 the held-out metrics' contract; ``init_from.py`` the weights a fresh run starts from
 (``--init-from``: an export, safetensors, a transformers directory, a run's checkpoint);
+``recompute.py`` activation checkpointing per block (``--activation-checkpointing``);
+``loader.py`` the step's micro-batches, collated here or by DataLoader workers
+(``--loader-workers``);
 ``builtins.py`` the built-in datasets and optimizers by
 name; ``optim.py`` the parameter groups, the optimizer factory and the strategy built
 with it (factories are loaded by ``gradsync/factory.py``, the one loader);

@@ -25,6 +25,7 @@ from ..step.coordinator import StepCoordinator
 from ..step.monitor import Watch
 from ..step.straggler import Slowdown
 from ..task.build import Task
+from ..task.loader import StepBatches
 from .faults import FaultInjector
 
 
@@ -64,6 +65,7 @@ class Session:
     slowdown: Slowdown | None = None  # --straggler: this rank's emulated slowness
     watch: Watch = field(default_factory=Watch)  # --keep-best, --early-stop (step/monitor)
     kept: Kept = field(default_factory=Kept)  # --keep-last (checkpoint/kept.py)
+    batches: StepBatches | None = None  # the step's micro-batches, --loader-workers (task/loader)
 
     @property
     def unit(self) -> str:
@@ -75,6 +77,8 @@ class Session:
         self.inst.close()
         if self.slowdown:
             self.slowdown.close()
+        if self.batches is not None:
+            self.batches.close()
         if self.writer:
             self.writer.close()
         if self.lock:

@@ -46,6 +46,7 @@ from ..step.monitor import Watch, check_watched
 from ..step.straggler import Slowdown
 from ..task.build import build_task
 from ..task.init_from import init_weights
+from ..task.loader import StepBatches
 from ..task.optim import build_with_optimizer
 from ..task.schedule import finished_line, lr_factor
 from .faults import FaultInjector
@@ -130,6 +131,8 @@ def setup(cfg: RunConfig, model_fn=None, data_fn=None, faults: FaultInjector | N
     sess.slowdown = Slowdown(cfg.batch.stragglers, rank)
     sess.watch = Watch(cfg.checkpoints.best, cfg.checkpoints.stop)
     sess.kept = Kept(cfg.checkpoints.keep_last)
+    sess.batches = StepBatches(task.data.train, task.data.collate_fn, cfg.task.loader_workers,
+                               info.device, seed=cfg.run.seed * 65537 + rank)
     sess.coordinator = coordinate(sess) if coordinate else LocalSteps(
         cfg, plan, rank, say=lambda line: sess.display.say(line) if sess.display else None)
     sess.world_sizes = list(plan.world_sizes) if plan.action == "resume" else []
