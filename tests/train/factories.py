@@ -353,3 +353,24 @@ class _Blocks(nn.Module):
 
 def blocks64() -> nn.Module:
     return _Blocks()
+
+
+WORDS = ["[PAD]", "[UNK]", "a", "b", "c", "d", "e", "f", "g", "h", "i"]  # VOCAB == 11
+
+
+def word_tokenizer():
+    """A transformers tokenizer built offline: one id per word of :data:`WORDS`."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
+
+
+def tokenized_lm() -> gs.TrainData:
+    """padded_tokens' samples with the tokenizer that (notionally) made them: what an hf
+    export saves beside the model (``gradsync export --format hf --data``)."""
+    return gs.TrainData(train=PaddedTokens(), tokenizer=word_tokenizer())

@@ -68,6 +68,9 @@ class TrainData:
         metrics: ``{name: fn(output, target) -> (sum, count)}``, evaluated on ``eval``
             beside the held-out loss: sums and counts are added over every held-out
             batch of every rank, and ``sum / count`` is reported (``eval_metrics.py``).
+        tokenizer: what made the tokens (a transformers tokenizer, anything with
+            ``save_pretrained``): ``gradsync export --format hf --data`` saves it beside
+            the model. Training never reads it.
     Missing loss/items follow the target dtype (see the module docstring).
     """
 
@@ -78,6 +81,7 @@ class TrainData:
     collate_fn: Callable | None = None
     item_name: str | None = None
     metrics: Mapping[str, Callable] | None = None
+    tokenizer: object | None = None
 
 
 @dataclass
