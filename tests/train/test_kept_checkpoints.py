@@ -201,6 +201,8 @@ def test_reconcile_brings_the_directory_back_to_the_checkpoint(tmp_path):
     for step in (3, 6, 9):  # 9: an attempt's later unit; 3 is kept, 6 the current one
         (out / KEPT / f"step-{step:07d}").mkdir()
         (out / KEPT / f"step-{step:07d}" / CHECKPOINT).write_bytes(b"x")
+    assert kept_units.prune(str(out), set()) == []  # no index: not gradsync's to remove
+    (out / KEPT / KEPT_INDEX).write_text("{}")
     last, best, notes = kept_units.reconcile(str(out), 6, None, [6], {"step": 3, "value": 1.0},
                                              "eval_loss:min")
     assert kept_units.units(str(out)) == [3, 6] and last == [6] and best["step"] == 3

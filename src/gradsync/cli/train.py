@@ -22,6 +22,10 @@ EPILOG = """examples:
   gradsync train --out runs/a                      # again: continues runs/a where it stopped
   gradsync train --out runs/a --workers 3          # ... on 3 workers, exactly the same steps
   gradsync train --model my_pkg.nets:build --data my_pkg.data:build
+  gradsync train --keep-best eval_loss --early-stop eval_loss:5 --eval-every 25
+  gradsync train --init-from out/a --activation-checkpointing --loader-workers 4
+  gradsync train --print-config > run.toml; gradsync train --config run.toml --lr 1e-3
+  gradsync eval runs/a/checkpoints/best             # its held-out loss, exactly
 elastic (restarts every worker from the last checkpoint after a failure):
   torchrun --standalone --nproc-per-node 2 --max-restarts 3 -m gradsync.train --out runs/a
 multi-node (same flags, launched by torchrun on every node):

@@ -36,7 +36,8 @@ Decisions:
   the units of the run it replaces, as it starts ``metrics.jsonl`` afresh.
 * gradsync writes only inside its own run directory, under ``checkpoints/``, never
   through a link: a symbolic link where a unit, its files or ``checkpoints/`` should be
-  is refused, never followed.
+  is refused, never followed; and it removes only units of a ``checkpoints/`` its index
+  marks as its own.
 """
 
 from __future__ import annotations
@@ -200,9 +201,15 @@ def units(out: str) -> list[int]:
 
 
 def prune(out: str, keep: set[int]) -> list[int]:
-    """Remove every unit whose step is not in ``keep`` (each atomically); the removed."""
-    gone = [s for s in units(out) if s not in keep]
+    """Remove every unit whose step is not in ``keep`` (each atomically); the removed.
+
+    Only where ``RUN/checkpoints`` is gradsync's, marked by its index (written with the
+    first unit): a ``checkpoints/step-N`` another tool left in a directory handed over with
+    ``--overwrite`` is not touched."""
     root = os.path.join(out, KEPT)
+    if not os.path.isfile(os.path.join(root, KEPT_INDEX)):
+        return []
+    gone = [s for s in units(out) if s not in keep]
     for step in gone:
         _remove(root, unit_name(step))
     return gone
