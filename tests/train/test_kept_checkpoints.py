@@ -119,6 +119,8 @@ def test_resume_from_the_best_continues_bit_identically(reference, tmp_path):
         for key in ("loss", "eval_loss", "grad_norm", "lr"):
             assert ours[step][key] == theirs[step][key], (step, key)
     _same_model(out, ref)  # the final checkpoint, bit for bit
+    assert s["kept"]["best"] == s_ref["kept"]["best"]  # the best unit came with it
+    _same_model(out / KEPT / "step-0000024", ref / KEPT / "step-0000024")
     assert os.listdir(ref / KEPT / "step-0000024")  # the source is left as it was
     # the same command again continues (here: finds it finished), it does not install again
     assert _train(out, resume_from=str(ref / KEPT / "best")) is None
@@ -213,4 +215,8 @@ def test_reconcile_brings_the_directory_back_to_the_checkpoint(tmp_path):
     os.rmdir(out / KEPT / "step-0000003")  # removed by hand: said, and no longer kept
     last, best, notes = kept_units.reconcile(str(out), 6, None, [6], {"step": 3, "value": 1.0},
                                              "eval_loss:min")
-    assert best is None and any("gone" in n for n in notes)
+    assert best == {"step": 3, "value": 1.0} and any("are not in" in n for n in notes)
+    index = json.loads((out / KEPT / KEPT_INDEX).read_text())
+    assert index["best"]["dir"] is None  # its value still counts; there is no unit to name
+    with pytest.raises(UsageError, match="names no best checkpoint here .its best, step 3"):
+        resolve_ref(str(out / KEPT / "best"), "--resume-from")

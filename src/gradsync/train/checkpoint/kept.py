@@ -32,7 +32,9 @@ Decisions:
   directory back to them (:func:`reconcile`): a unit of a later step -- left by an
   attempt whose steps are now taken again -- is removed, the checkpoint's own unit is
   made if a crash came between its save and its link, and a unit the lists name that
-  is gone (removed by hand) is said and dropped. A fresh start in the directory removes
+  is not there (removed by hand, or left in the directory ``--resume-from`` continued)
+  is said and dropped -- the best's value still decides what a new best is, so a
+  continued run chooses as the uninterrupted one would. A fresh start in the directory removes
   the units of the run it replaces, as it starts ``metrics.jsonl`` afresh.
 * gradsync writes only inside its own run directory, under ``checkpoints/``, never
   through a link: a symbolic link where a unit, its files or ``checkpoints/`` should be
@@ -221,8 +223,9 @@ def write_index(out: str, last: list[int], best: dict | None, watched: str | Non
         return
     _root(out)
     index = {"last": [{"step": s, "dir": unit_name(s)} for s in last]}
-    if best:
-        index["best"] = {"step": best["step"], "dir": unit_name(best["step"]),
+    if best:  # its unit may be elsewhere (--resume-from): then named without a directory
+        here = os.path.isdir(unit_dir(out, best["step"]))
+        index["best"] = {"step": best["step"], "dir": unit_name(best["step"]) if here else None,
                          "metric": watched, "value": best["value"]}
     write_json(os.path.join(out, KEPT, KEPT_INDEX), index, what="the kept checkpoints' index")
 
@@ -251,12 +254,13 @@ def reconcile(out: str, step: int, shard_dir: str | None, last: list[int],
         make_unit(out, step, shard_dir)  # a crash between the save and its link
         present.add(step)
     missing = sorted(s for s in keep if s not in present)
-    if missing:
-        notes.append(f"kept checkpoint(s) of step {', '.join(map(str, missing))} are gone from "
-                     f"{os.path.join(out, KEPT)} (removed outside gradsync): no longer kept")
+    if missing:  # removed by hand, or kept in the directory --resume-from continued
+        notes.append(f"kept checkpoint(s) of step {', '.join(map(str, missing))} are not in "
+                     f"{os.path.join(out, KEPT)} (removed, or kept where this run was "
+                     "continued from): no longer kept here"
+                     + ("; the best's value still decides what a new best is"
+                        if best and best["step"] in missing else ""))
         last = [s for s in last if s not in missing]
-        if best and best["step"] in missing:
-            best = None
     gone = prune(out, set(last) | ({best["step"]} if best else set()))
     if gone:
         why = ("a fresh run starts here" if not step else
@@ -294,7 +298,9 @@ def resolve_ref(path: str, flag: str) -> str:
             raise UsageError(f"{flag} {path}: {os.path.dirname(parent) or '.'} keeps no "
                              "checkpoint besides its newest (it was trained without --keep-last "
                              "or --keep-best); name the run directory for its newest")
-        how = " (it was trained without --keep-best)" if name == "best" else ""
+        how = (f" here (its best, step {step}, was kept where this run was continued from)"
+               if isinstance(step, int) else
+               " (it was trained without --keep-best)" if name == "best" else "")
         raise UsageError(f"{flag} {path}: {os.path.join(parent, KEPT_INDEX)} names no {name} "
                          f"checkpoint{how}")
     if not os.path.exists(path):
