@@ -4,7 +4,8 @@ same numbers.
 The claim of sameness, bit for bit in float64: a model of blocks with dropout trains the
 same steps -- every loss, every parameter -- with each block's activations recomputed in
 backward, and with its micro-batches collated by DataLoader worker processes, under ddp
-and zero3. The rest shows that each flag does what it says (a block's forward runs twice,
+and zero3 (under ddp also when a worker is killed and the run restarts from its
+checkpoint). The rest shows that each flag does what it says (a block's forward runs twice,
 the batches come from other processes), and what is refused.
 """
 
@@ -29,10 +30,11 @@ FLAGS = dict(workers=2, steps=3, global_batch=8, micro_batch=2, lr=0.1, warmup=1
              model="tests.train.factories:blocks64", data="tests.train.factories:teacher64")
 
 
-def _run(out, **kw):
-    gs.train(gs.TrainConfig(**{**FLAGS, "out": str(out), **kw}))
+def _run(out, faults=None, **kw):
+    gs.train(gs.TrainConfig(**{**FLAGS, "out": str(out), **kw}), faults=faults)
     with open(out / "metrics.jsonl") as f:
-        losses = [(r["loss"], r.get("eval_loss")) for r in map(json.loads, f)]
+        losses = [(r["loss"], r.get("eval_loss")) for r in map(json.loads, f) if "step" in r
+                  and "event" not in r]
     return losses, torch.load(out / "checkpoint.pt", weights_only=True)["model"]
 
 
@@ -42,8 +44,11 @@ def test_the_same_steps_with_either_flag(tmp_path, monkeypatch, strategy):
     record = tmp_path / "record"
     record.mkdir()
     monkeypatch.setenv(RECORD_ENV, str(record))
-    both = _run(tmp_path / "both", strategy=strategy, activation_checkpointing=True,
-                loader_workers=2)
+    # ddp: and a worker killed in step 3, the run restarted from its checkpoint of step 2
+    killed = gs.FaultInjector().fail_at(1, 3, "kill") if strategy == "ddp" else None
+    both = _run(tmp_path / "both", killed, strategy=strategy, activation_checkpointing=True,
+                loader_workers=2, checkpoint_every=1, max_restarts=1)
+    assert [loss for loss, _ in both[0]] == [loss for loss, _ in plain[0]]
     assert both[0] == plain[0]  # every step's loss and the held-out loss, bit for bit
     assert all(torch.equal(both[1][k], plain[1][k]) for k in plain[1])
     # the training samples were read in processes other than the two training workers
