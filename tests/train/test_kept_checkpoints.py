@@ -86,6 +86,12 @@ def test_early_stop_and_the_kept_units(reference):
     assert os.stat(out / CHECKPOINT).st_ino == os.stat(root / "step-0000028" / CHECKPOINT).st_ino
     # the same command again: finished, because it stopped early under this --early-stop
     assert _train(out) is None
+    # the best exports like any checkpoint (the names read through kept.json)
+    from gradsync.train.checkpoint.export import export_run
+
+    got = export_run(str(root / "best"), "torch", str(out.parent / "best-export"),
+                     model="tests.train.factories:tiny64")
+    assert got.step == 24 and got.weights.endswith("(master weights)")
 
 
 def test_a_killed_run_keeps_and_stops_exactly_as_the_uninterrupted_one(reference, tmp_path):

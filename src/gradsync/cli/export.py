@@ -17,7 +17,8 @@ def register(sub, help_line: str) -> argparse.ArgumentParser:
         "it is written, so the export is known to fit it. "
         "See docs/logging-and-export.md.",
     )
-    p.add_argument("run_dir", metavar="RUN", help="a run directory (gradsync train --out)")
+    p.add_argument("run_dir", metavar="RUN", help="a run directory (gradsync train --out), a "
+                   "kept checkpoint (RUN/checkpoints/step-N) or RUN/checkpoints/best / last")
     p.add_argument("dest", metavar="DIR", help="where to write the model (created if needed)")
     p.add_argument("--format", required=True, choices=FORMATS,
                    help="safetensors: DIR/model.safetensors (tied weights stored once); "

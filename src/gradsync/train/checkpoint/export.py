@@ -56,6 +56,7 @@ from ...rundir import CHECKPOINT, read_json, write_json
 from ...safeload import trusting
 from .export_weights import load_trained
 from .format import load_checkpoint
+from .kept import NAMES, resolve_ref
 from .unit import read_unit
 
 FORMATS = ("safetensors", "torch", "hf")
@@ -252,6 +253,8 @@ def export_run(run_dir: str, fmt: str, dest: str, model: str | None = None,
     """
     if fmt not in FORMATS:
         raise UsageError(f"unknown --format {fmt!r}; choose from {', '.join(FORMATS)}")
+    if os.path.basename(os.path.normpath(run_dir)) in NAMES:  # RUN/checkpoints/best (kept.py)
+        run_dir = resolve_ref(run_dir, "gradsync export")
     path = os.path.join(run_dir, CHECKPOINT)
     if not os.path.isdir(run_dir):
         raise UsageError(f"{run_dir} is not a run directory")
