@@ -213,7 +213,8 @@ def init_weights(model: nn.Module, path: str, model_name: str, trust: bool = Fal
         _checkpoint(model, path, model_name, trust)
     else:
         try:
-            state = safe_load(path, f"{FLAG} {path}")
+            with trusting(trust):  # --trust-checkpoint-code: the user's own pickle, in full
+                state = safe_load(path, f"{FLAG} {path}")
         except UnsafeFileError:
             raise
         except Exception as e:  # noqa: BLE001 - not a torch file, truncated: one line
