@@ -151,6 +151,9 @@ def test_the_lists_and_the_watch():
     other.load_state_dict(w.state_dict())  # another patience: counts afresh, said so
     assert other.stopped is None and other.notes
     assert parse_monitor("eval_metrics/acc:max").name == "acc"
+    nan = Watch(None, parse_early_stop("eval_loss:1"))
+    assert nan.observe(1, float("nan"), None).stop  # never finite: stopped, and said so
+    assert "never a finite value" in nan.stop_line()
 
 
 def test_space_is_counted_for_every_kept_unit():

@@ -227,10 +227,11 @@ class Watch:
         if not s.get("stopped"):
             return (f"{es.monitor.spec}, patience {es.patience}: not triggered "
                     f"({s.get('bad', 0)} evaluation(s) without improvement at the end)")
+        best = (f"best {s['best']:.6g} at step {s.get('best_step')}"
+                if s.get("best") is not None else "never a finite value")
         return (f"stopped after step {s['stopped']}: {es.monitor.name} did not improve "
                 f"{'by more than ' + format(es.min_delta, 'g') + ' ' if es.min_delta else ''}"
-                f"in {es.patience} evaluation(s); best {s.get('best'):.6g} at step "
-                f"{s.get('best_step')}")
+                f"in {es.patience} evaluation(s); {best}")
 
 
 def _es_spec(es: EarlyStop | None) -> str | None:
