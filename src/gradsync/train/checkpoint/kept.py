@@ -262,11 +262,16 @@ def reconcile(out: str, step: int, shard_dir: str | None, last: list[int],
                         if best and best["step"] in missing else ""))
         last = [s for s in last if s not in missing]
     gone = prune(out, set(last) | ({best["step"]} if best else set()))
-    if gone:
+    later, earlier = [s for s in gone if s > step], [s for s in gone if s <= step]
+    if later:
         why = ("a fresh run starts here" if not step else
                f"the run continues from step {step}, and they were saved by an attempt whose "
                "later steps are taken again")
-        notes.append(f"removed kept checkpoint(s) of step {', '.join(map(str, gone))}: {why}")
+        notes.append(f"removed kept checkpoint(s) of step {', '.join(map(str, later))}: {why}")
+    if earlier:
+        notes.append(f"removed kept checkpoint(s) of step {', '.join(map(str, earlier))}: the "
+                     f"checkpoint of step {step} no longer keeps them (another --keep-last, or "
+                     "--keep-best of another figure)")
     if keep or gone or present:
         write_index(out, last, best, watched)
     return last, best, notes
