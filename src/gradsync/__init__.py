@@ -62,6 +62,7 @@ _LAZY = {
     "DesyncError": "gradsync.engine.transport.fingerprint",
     "BusyClock": "gradsync.engine.transport.busy_clock",
     "train": "gradsync.train.launcher.api",
+    "evaluate": "gradsync.train.launcher.evaluate",
     "TrainConfig": "gradsync.train.config.train_config",
     "TrainData": "gradsync.train.task.build",
     "Callback": "gradsync.train.records.callbacks",

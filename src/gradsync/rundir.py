@@ -43,6 +43,8 @@ DRIFT = "drift.json"
 PLAN = "plan.json"
 CHECKPOINT = "checkpoint.pt"
 SHARDS = "checkpoint-shards"
+KEPT = "checkpoints"  # --keep-last/--keep-best: RUN/checkpoints/step-N/ (train/checkpoint/kept.py)
+KEPT_INDEX = "kept.json"  # RUN/checkpoints/kept.json: which are the last N and the best
 LOCK = "gradsync.lock"
 MARKER = "gradsync-run.json"  # {"format": RUN_FORMAT}: gradsync may write here (ownership.py)
 RUN_FORMAT = "gradsync-run"
@@ -255,6 +257,11 @@ class Summary:
     fault_tolerance: dict | None = None
     # fp16: {"skipped": steps skipped by loss scaling over the whole run, "scale": at the end}
     loss_scale: dict | None = None
+    # --keep-last/--keep-best: {"last": [steps], "best": {"step", "metric", "value"} | None,
+    # "dir": RUN/checkpoints}; --early-stop: {"monitor", "mode", "patience", "min_delta",
+    # "stopped_at" (None: not triggered), "best", "best_step", ...} (train/step/monitor.py)
+    kept: dict | None = None
+    early_stop: dict | None = None
 
     def to_json(self) -> dict:
         return clean(asdict(self))

@@ -198,3 +198,29 @@ def test_simulate_profile_and_version_check(capsys, tmp_path):
     prof.write_text("{not json")
     code, _, err = run(capsys, "simulate", "--profile", str(prof))
     assert code == 2 and "not JSON" in one_line_error(err)
+
+
+def test_memory_counts_train_s_activation_checkpointing_and_loader(capsys):
+    """`gradsync plan memory` with train's --activation-checkpointing and --loader-workers:
+    each block's input plus one block recomputed; the loader's micro-batches in host memory."""
+    shape = ["--seq-len", "128", "--hidden", "128", "--layers", "4", "--heads", "4",
+             "--micro-batch", "8"]
+    code, out, _ = run(capsys, "plan", "memory", "gpt", *shape, "--json")
+    plain = json.loads(out)
+    code, out, _ = run(capsys, "plan", "memory", "gpt", *shape, "--activation-checkpointing",
+                       "--loader-workers", "2", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    s, b, h, a, L, i = 128, 8, 128, 4, 4, 4  # fp32: 4-byte activations
+    one_layer = (16 * i + 2) * s * b * h + (2 * i + 1) * a * s * s * b
+    assert plain["activations"] == L * one_layer
+    assert plan["activations"] == L * i * s * b * h + one_layer and plan["checkpointing"] == "block"
+    assert plan["loader"] == {"workers": 2, "prefetch": 2, "batch_bytes": 16 * s * b,
+                              "batches": 5, "host": 5 * 16 * s * b, "pinned": 5 * 16 * s * b}
+    code, out, _ = run(capsys, "plan", "memory", "gpt", *shape, "--activation-checkpointing",
+                       "--loader-workers", "2")
+    text = " ".join(out.split())  # the caption wraps to the table's width
+    assert "one block's whole set while it is recomputed" in text
+    assert "2 loader workers x 2 ahead + 1 in use = 5 micro-batches of 16.38 KB" in text
+    code, _, err = run(capsys, "plan", "memory", "gpt", "--loader-workers", "2")
+    assert code == 2 and "give --sample-bytes SIZE, or --seq-len" in one_line_error(err)

@@ -277,3 +277,100 @@ def regression64_metrics() -> gs.TrainData:
     data = regression64()
     data.metrics = {"mae": abs_error, "sign": positive}
     return data
+
+
+def _teacher(n: int, seed: int):
+    """Inputs and the outputs of a fixed random tanh layer (seed 7): learnable, so the
+    held-out loss falls, then levels off (what --keep-best and --early-stop watch)."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(D_IN, D_OUT, generator=g, dtype=torch.float64)
+    x = torch.randn(n, D_IN, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return x, torch.tanh(x @ w)
+
+
+def teacher64() -> gs.TrainData:
+    """Float64 regression on a teacher, with a held-out set of the same teacher and the
+    two metrics of regression64_metrics."""
+    x, y = _teacher(48, 1)
+    hx, hy = _teacher(16, 2)
+    return gs.TrainData(train=Recording(x, y), eval=torch.utils.data.TensorDataset(hx, hy),
+                        loss_fn=F.mse_loss, items_fn=samples, item_name="samples",
+                        metrics={"mae": abs_error, "sign": positive})
+
+
+INIT_ENV = "GRADSYNC_TEST_INIT"
+
+
+def tiny64_from_env() -> nn.Module:
+    """tiny64 holding the weights of the safetensors file ``$GRADSYNC_TEST_INIT``, loaded
+    by the factory itself: what ``--init-from`` of that file must train exactly like."""
+    from safetensors.torch import load_model
+
+    model = tiny64()
+    if not next(model.parameters()).is_meta:  # the free-space estimate builds it on meta
+        load_model(model, os.environ[INIT_ENV])
+    return model
+
+
+def teacher32() -> gs.TrainData:
+    """teacher64 in float32 (for bf16 runs): samples a float32 model reads, the loss default."""
+    x, y = _teacher(48, 1)
+    hx, hy = _teacher(16, 2)
+    return gs.TrainData(train=torch.utils.data.TensorDataset(x.float(), y.float()),
+                        eval=torch.utils.data.TensorDataset(hx.float(), hy.float()),
+                        metrics={"mae": abs_error})
+
+
+class _Block(nn.Module):
+    """A residual tanh block with dropout (the recomputed forward must draw the same mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(HIDDEN, HIDDEN)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        return x + self.drop(torch.tanh(self.fc(x)))
+
+
+class _Blocks(nn.Module):
+    """tiny64's shape with its hidden layers as a ModuleList of blocks: what
+    --activation-checkpointing (and zero3's default wrap) finds."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, HIDDEN)
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.out = nn.Linear(HIDDEN, D_OUT)
+        self.double()
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def blocks64() -> nn.Module:
+    return _Blocks()
+
+
+WORDS = ["[PAD]", "[UNK]", "a", "b", "c", "d", "e", "f", "g", "h", "i"]  # VOCAB == 11
+
+
+def word_tokenizer():
+    """A transformers tokenizer built offline: one id per word of :data:`WORDS`."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
+
+
+def tokenized_lm() -> gs.TrainData:
+    """padded_tokens' samples with the tokenizer that (notionally) made them: what an hf
+    export saves beside the model (``gradsync export --format hf --data``)."""
+    return gs.TrainData(train=PaddedTokens(), tokenizer=word_tokenizer())

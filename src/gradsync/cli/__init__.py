@@ -27,6 +27,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("calibrate", "measure this machine's alpha/beta and the model's backward; write a profile"),
     ("report", "write a run's report.html (loss, throughput, step timeline, memory, drift)"),
     ("export", "write a run's trained model as safetensors, a torch state dict or hf"),
+    ("eval", "score a run's checkpoint on the held-out set, exactly, with the run's workers"),
     ("netlab", "emulated hosts joined by rate-limited links: run, calibrate, check, clean"),
 ]
 

@@ -17,6 +17,7 @@ from ..plan.memory import (
     OPTIMIZERS,
     PRECISIONS,
     ActivationShape,
+    loader_memory,
     plan_memory,
     resolve_param_count,
     train_optimizer,
@@ -35,6 +36,9 @@ ZeRO-1 4P+12P/N, ZeRO-2 2P+14P/N, ZeRO-3 16P/N for mixed-precision Adam; fp32 Ad
 DP 16P, ZeRO-1 8P+8P/N, ZeRO-2 4P+12P/N, ZeRO-3 16P/N. Activations: Korthikanti et
 al. 2022 (arXiv 2205.05198), 34sbh + 5as^2b bytes per layer at 2 bytes a value
 (66sbh + 9as^2b in fp32); without the shape flags they are not estimated.
+--activation-checkpointing (train's flag) counts each block's input and the one block
+recomputed in backward; --loader-workers N the host memory of the micro-batches the
+data loader holds ahead (N x 2 + 1, and as much again pinned on a GPU).
 example: gradsync plan memory 7.5B --precision bf16 --workers 64 --device-memory 80GB"""
 
 
@@ -63,7 +67,19 @@ def register(subparsers, help_line: str):
     g.add_argument("--hidden", type=int)
     g.add_argument("--layers", type=int)
     g.add_argument("--heads", type=int)
-    g.add_argument("--checkpointing", choices=CHECKPOINTING, default="none")
+    g.add_argument("--checkpointing", choices=CHECKPOINTING, default="none",
+                   help="none; selective (attention scores recomputed); full (the paper's: "
+                   "each layer's input); block: what gradsync train --activation-checkpointing "
+                   "does, full plus the one block being recomputed (default: none)")
+    g.add_argument("--activation-checkpointing", dest="checkpointing", action="store_const",
+                   const="block", help="as gradsync train's flag: --checkpointing block")
+    h = p.add_argument_group("data loading (host memory, as gradsync train's --loader-workers)")
+    h.add_argument("--loader-workers", type=int, default=None, metavar="N",
+                   help="DataLoader worker processes: the micro-batches they hold ahead, and "
+                   "their pinned copies on a GPU")
+    h.add_argument("--sample-bytes", metavar="SIZE",
+                   help="bytes of one sample (default with --seq-len: token data, 16 x seq-len: "
+                   "input and target, 8 bytes a token each)")
     p.add_argument("--png", metavar="FILE", help="write a stacked bar chart")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=run, command="plan memory")
@@ -86,8 +102,17 @@ def run(args) -> int:
                                      args.heads, args.checkpointing,
                                      ACTIVATION_ITEMSIZE[args.precision])
     device = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
+    loader = None
+    if args.loader_workers is not None or args.sample_bytes:
+        positive(args.loader_workers or 0, "--loader-workers", allow_zero=True)
+        sample = (parse_bytes(args.sample_bytes, "--sample-bytes") if args.sample_bytes
+                  else 16 * args.seq_len if args.seq_len else None)
+        if sample is None:
+            raise UsageError("--loader-workers counts micro-batches of a sample's bytes: give "
+                             "--sample-bytes SIZE, or --seq-len for token data")
+        loader = loader_memory(args.loader_workers or 0, args.micro_batch, sample)
     plan = plan_memory(count, args.workers, optimizer, args.precision != "fp32",
-                       args.fp32_grad_accum, activation, device, args.precision)
+                       args.fp32_grad_accum, activation, device, args.precision, loader)
     if args.json:
         print_json(plan)
     else:

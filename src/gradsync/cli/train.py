@@ -22,6 +22,10 @@ EPILOG = """examples:
   gradsync train --out runs/a                      # again: continues runs/a where it stopped
   gradsync train --out runs/a --workers 3          # ... on 3 workers, exactly the same steps
   gradsync train --model my_pkg.nets:build --data my_pkg.data:build
+  gradsync train --keep-best eval_loss --early-stop eval_loss:5 --eval-every 25
+  gradsync train --init-from out/a --activation-checkpointing --loader-workers 4
+  gradsync train --print-config > run.toml; gradsync train --config run.toml --lr 1e-3
+  gradsync eval runs/a/checkpoints/best             # its held-out loss, exactly
 elastic (restarts every worker from the last checkpoint after a failure):
   torchrun --standalone --nproc-per-node 2 --max-restarts 3 -m gradsync.train --out runs/a
 multi-node (same flags, launched by torchrun on every node):
@@ -114,7 +118,11 @@ def run(args) -> int:
         from ..train.config.flags import from_args
 
     argv = list(getattr(args, "argv", None) or sys.argv[1:])
-    cfg = from_args(args).resolved()  # every flag checked, once
+    given = from_args(args, argv[1:] if argv[:1] == ["train"] else argv)  # --config's too
+    cfg = given.resolved()  # every flag checked, once
+    if args.print_config:  # the resolved flags as a --config file; nothing starts
+        print(given.to_toml(), end="")
+        return 0
     if cfg.ft.launcher:  # one machine: a lighthouse and N groups
         from .train_groups import run_groups
 
@@ -152,7 +160,7 @@ def train_job(cfg, argv: list[str], out: str | None = None) -> int:
         if lock.note():
             print(f"gradsync train: {lock.note()}")
         if plan.action == "finished":
-            print(finished_line(cfg, plan.step, plan.schedule_steps))
+            print(finished_line(cfg, plan.step, plan.schedule_steps, plan.notes))
             repair_summary(cfg.run.out)
             return 0
         was, workers, steps = plan.was_world, cfg.run.workers, cfg.run.steps

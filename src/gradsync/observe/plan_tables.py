@@ -35,6 +35,13 @@ def memory_table(plan: MemoryPlan, source: str = "", assumes: str = "") -> Table
         t.caption = ("activations not estimated (give --seq-len, --hidden, --layers and "
                      "--heads): totals" + (" and the fits verdict" if plan.device_memory
                                            is not None else "") + " count model states only")
+    notes = [t.caption] if t.caption else []
+    if plan.checkpointing == "block":
+        notes.append("activations with --activation-checkpointing: each block's input, and "
+                     "one block's whole set while it is recomputed")
+    if plan.loader is not None:
+        notes.append(loader_line(plan.loader))
+    t.caption = "\n".join(notes) or None
     for col in ("strategy", "params", "grads", "optimizer", "activations", "total"):
         t.add_column(col, justify="right" if col != "strategy" else "left")
     if plan.device_memory is not None:
@@ -47,6 +54,15 @@ def memory_table(plan: MemoryPlan, source: str = "", assumes: str = "") -> Table
             row.append("[green]fits[/]" if s.fits else "[red]does not fit[/]")
         t.add_row(*row)
     return t
+
+
+def loader_line(loader) -> str:
+    """The data loader's host memory, in words (outside the device totals)."""
+    who = (f"{loader.workers} loader worker{'s' * (loader.workers != 1)} x "
+           f"{loader.prefetch} ahead + 1 in use" if loader.workers else "no loader workers: 1")
+    return (f"host memory for data loading (not on the device): {who} = {loader.batches} "
+            f"micro-batch{'es' * (loader.batches != 1)} of {fmt_bytes(loader.batch_bytes)}, "
+            f"{fmt_bytes(loader.host)}, and {fmt_bytes(loader.pinned)} more pinned on a GPU")
 
 
 def batch_table(plan: BatchPlan) -> Table:

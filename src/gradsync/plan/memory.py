@@ -52,6 +52,20 @@ training stores 4-byte ones) a layer holds (16i + 2)sbh + (2i + 1)as^2b, selecti
 (16i + 2)sbh, full checkpointing i*sbh. Without a shape the activations are *not
 estimated* (None, shown as such), never 0: a plan that fits on model states alone
 says so.
+
+``block`` is what ``gradsync train --activation-checkpointing`` does (each block's forward
+under ``torch.utils.checkpoint``, ``train/task/recompute.py``): every block keeps its input,
+i*sbh, and during backward the block being recomputed holds its whole working set again,
+one layer of ``none`` -- the term the paper's "full" leaves out, counted here because it
+is what the peak of a step holds: L*i*sbh + (16i + 2)sbh + (2i + 1)as^2b.
+
+The data loader (``gradsync train --loader-workers N``, ``train/task/loader.py``) holds
+host memory, not device memory: each worker keeps up to ``prefetch`` (2) collated
+micro-batches ahead in shared memory, and the step holds the one it uses, (N x 2 + 1)
+micro-batches; on a GPU each is pinned too (a page-locked copy beside it, which is what
+makes the copy to the device asynchronous), twice that. Without workers the training
+process holds one micro-batch (and its pinned copy on a GPU). :func:`loader_memory`
+counts it from a sample's bytes (token data: input and target, 8 bytes a token each).
 """
 
 from __future__ import annotations
@@ -66,7 +80,8 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "sgd-plain")
 STATE_BYTES = {"adamw": 8.0, "adam": 8.0, "sgd": 4.0, "sgd-momentum": 4.0, "sgd-plain": 0.0}
 """Optimizer state per parameter in fp32: Adam's m and v; SGD's momentum buffer (train's
 ``sgd`` is momentum 0.9, so ``sgd`` here keeps one too; ``sgd-plain`` has none)."""
-CHECKPOINTING = ("none", "selective", "full")
+CHECKPOINTING = ("none", "selective", "full", "block")
+"""``block``: what ``gradsync train --activation-checkpointing`` does (see the docstring)."""
 PRECISIONS = ("fp32", "bf16", "fp16")
 """``gradsync train --precision``'s choices (a test holds the two lists equal; the planner
 does not import the engine's registry, which imports torch)."""
@@ -145,7 +160,33 @@ def activation_bytes(shape: ActivationShape) -> float:
         return float(L * (per_sbh * s * b * h + (2 * i + 1) * a * s * s * b))
     if shape.checkpointing == "selective":
         return float(L * per_sbh * s * b * h)
+    if shape.checkpointing == "block":  # every block's input, and one block recomputed
+        return float(L * i * s * b * h + per_sbh * s * b * h + (2 * i + 1) * a * s * s * b)
     return float(L * i * s * b * h)
+
+
+@dataclass(frozen=True)
+class LoaderMemory:
+    """Host bytes the data loader holds (see the module docstring)."""
+
+    workers: int
+    prefetch: int
+    batch_bytes: float  # one micro-batch: micro_batch x a sample's bytes
+    batches: int  # micro-batches held at once: workers x prefetch + the one in use
+    host: float  # batches x batch_bytes (shared memory with workers)
+    pinned: float  # the page-locked copies on a GPU (0 on the CPU)
+
+
+def loader_memory(workers: int, micro_batch: int, sample_bytes: float, prefetch: int = 2,
+                  gpu: bool = True) -> LoaderMemory:
+    """What ``--loader-workers`` holds in host memory for micro-batches of ``micro_batch``
+    samples of ``sample_bytes`` each."""
+    if workers < 0 or micro_batch < 1 or sample_bytes <= 0:
+        raise UsageError("--loader-workers must be >= 0, --micro-batch >= 1 and a sample's "
+                         "bytes > 0")
+    batch = float(micro_batch * sample_bytes)
+    n = workers * prefetch + 1
+    return LoaderMemory(workers, prefetch, batch, n, n * batch, n * batch if gpu else 0.0)
 
 
 @dataclass(frozen=True)
@@ -173,6 +214,8 @@ class MemoryPlan:
     stages: tuple[StageMemory, ...] = field(default_factory=tuple)
     optimizer: str = "adam"
     precision: str = "bf16"  # "bf16"/"fp16": 16-bit params/grads + fp32 master copy; "fp32"
+    loader: LoaderMemory | None = None  # host memory of --loader-workers (None: not asked)
+    checkpointing: str = "none"  # the activations' recomputation, as ActivationShape says
 
     def stage(self, name: str) -> StageMemory:
         return next(s for s in self.stages if s.stage == name)
@@ -187,6 +230,7 @@ def plan_memory(
     activation: ActivationShape | None = None,
     device_memory: float | None = None,
     precision: str | None = None,
+    loader: LoaderMemory | None = None,
 ) -> MemoryPlan:
     """Per-device bytes of DP and ZeRO-1/2/3, activations and a fits verdict.
 
@@ -212,7 +256,8 @@ def plan_memory(
         fits = None if device_memory is None else total <= device_memory
         stages.append(StageMemory(name, p, g, o, act, total, fits))
     return MemoryPlan(int(num_params), int(world_size), bpp, act, device_memory, tuple(stages),
-                      optimizer, precision or ("bf16" if mixed_precision else "fp32"))
+                      optimizer, precision or ("bf16" if mixed_precision else "fp32"), loader,
+                      activation.checkpointing if activation is not None else "none")
 
 
 def deepspeed_zero2_estimate(num_params: float, world_size: int, legacy: bool = False) -> float:

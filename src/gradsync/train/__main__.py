@@ -61,7 +61,13 @@ def main(argv=None, callbacks=None) -> int:
     cfg = None
     try:
         # every flag checked once, for the world torchrun set up (its WORLD_SIZE)
-        cfg = from_args(args, workers=int(os.environ.get("WORLD_SIZE", "1"))).resolved()
+        given = from_args(args, sys.argv[1:] if argv is None else argv,
+                          workers=int(os.environ.get("WORLD_SIZE", "1")))
+        cfg = given.resolved()
+        if args.print_config:  # rank 0 says it; nothing starts
+            if rank in ("0", "?"):
+                print(given.to_toml(), end="")
+            return 0
         if cfg.observe.baseline:
             raise UsageError("--baseline launches its own 1-worker run: use `gradsync train "
                              "--baseline`, or run the baseline with torchrun separately")

@@ -17,7 +17,11 @@ from ZeRO shards), and written:
 * ``torch``: ``DIR/model.pt``, the state dict (``model.load_state_dict(torch.load(path))``);
 * ``hf``: ``model.save_pretrained`` (config.json + model.safetensors), for a
   transformers ``PreTrainedModel``; ``AutoModel*.from_pretrained(DIR)`` loads it.
-  Any other model is refused, suggesting ``--format safetensors``.
+  Any other model is refused, suggesting ``--format safetensors``. With ``--data``, the
+  data factory's tokenizer (``TrainData.tokenizer``) is saved beside it
+  (``tokenizer.save_pretrained``), so ``AutoTokenizer.from_pretrained(DIR)`` loads the
+  tokenizer the model was trained with: the factory is run only because the command line
+  names it, as ``--model``'s is.
 
 ``DIR/gradsync-export.json`` says where the weights came from (run, run id, step,
 strategy, precision, which weights). ``DIR`` is gradsync's to write into when it is
@@ -52,6 +56,7 @@ from ...rundir import CHECKPOINT, read_json, write_json
 from ...safeload import trusting
 from .export_weights import load_trained
 from .format import load_checkpoint
+from .kept import NAMES, resolve_ref
 from .unit import read_unit
 
 FORMATS = ("safetensors", "torch", "hf")
@@ -72,6 +77,7 @@ class Exported:
     precision: str
     weights: str  # which weights: the model state, or the fp32 masters (and from where)
     files: list[str]
+    tokenizer: str | None = None  # hf: the --data factory's tokenizer class, saved beside
 
 
 def _shown(spec: str) -> str:
@@ -79,21 +85,22 @@ def _shown(spec: str) -> str:
     return shlex.quote(spec) if spec.isprintable() else repr(spec)
 
 
-def model_spec(named: str | None, config: dict, run_dir: str) -> str:
-    """The model to rebuild: the command line's ``--model``, or the run's own when that
-    is a built-in name. A factory the run recorded is never imported on its word."""
+def model_spec(named: str | None, config: dict, run_dir: str, command: str = "gradsync export",
+               flag: str = "model", builtins=MODELS) -> str:
+    """The model (``flag``: or the data) to rebuild: the command line's, or the run's own
+    when that is a built-in name. A factory the run recorded is never imported on its word."""
     if named:
         return named
-    recorded = config.get("model")
-    if isinstance(recorded, str) and recorded in MODELS:
+    recorded = config.get(flag)
+    if isinstance(recorded, str) and recorded in builtins:
         return recorded
     if isinstance(recorded, str) and is_factory_spec(recorded):
-        raise UsageError(f"{run_dir} was trained with --model {_shown(recorded)}, which "
-                         "gradsync export imports only when the command line names it (a run "
+        raise UsageError(f"{run_dir} was trained with --{flag} {_shown(recorded)}, which "
+                         f"{command} imports only when the command line names it (a run "
                          "directory may come from someone else, and importing a factory runs "
-                         f"its code): if you trust that code, pass --model {_shown(recorded)}")
-    raise UsageError(f"the run's model {recorded!r} cannot be rebuilt: pass --model "
-                     f"pkg.module:factory (or one of {', '.join(MODELS)})")
+                         f"its code): if you trust that code, pass --{flag} {_shown(recorded)}")
+    raise UsageError(f"the run's {flag} {recorded!r} cannot be rebuilt: pass --{flag} "
+                     f"pkg.module:factory (or one of {', '.join(builtins)})")
 
 
 def _whole(value, default: int) -> int:
@@ -173,9 +180,10 @@ def _save_safetensors(model: nn.Module, path: str, metadata: dict) -> None:
     write_by_name(path, WHAT, write)
 
 
-def _save_hf(model: nn.Module, dest: str) -> list[str]:
-    """``save_pretrained`` into a private staging directory inside ``dest``, then each
-    file moved into place through the atomic writer; returns the files' names."""
+def _save_hf(model: nn.Module, dest: str, tokenizer=None) -> list[str]:
+    """``save_pretrained`` (the model's, and the tokenizer's when there is one) into a
+    private staging directory inside ``dest``, then each file moved into place through the
+    atomic writer; returns the files' names."""
     try:
         staging = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-hf-", dir=dest)
     except OSError as e:
@@ -183,6 +191,8 @@ def _save_hf(model: nn.Module, dest: str) -> list[str]:
     try:
         try:
             model.save_pretrained(staging)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
         except OSError as e:
             raise storage_error(e, WHAT, dest) from None
         except Exception as e:
@@ -200,9 +210,9 @@ def _save_hf(model: nn.Module, dest: str) -> list[str]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _write(model: nn.Module, fmt: str, dest: str, meta: dict) -> list[str]:
+def _write(model: nn.Module, fmt: str, dest: str, meta: dict, tokenizer=None) -> list[str]:
     if fmt == "hf":
-        return _save_hf(model, dest)
+        return _save_hf(model, dest, tokenizer)
     path = os.path.join(dest, FILES[fmt])
     if fmt == "safetensors":
         _save_safetensors(model, path, meta)
@@ -213,15 +223,38 @@ def _write(model: nn.Module, fmt: str, dest: str, meta: dict) -> list[str]:
     return [FILES[fmt]]
 
 
+def tokenizer_of(data: str, fmt: str):
+    """The tokenizer the command line's ``--data`` factory provides (``TrainData.tokenizer``),
+    for an hf export; None when it has none. The factory runs: it is the command line's."""
+    if fmt != "hf":
+        raise UsageError(f"--data exports the data's tokenizer with --format hf (its "
+                         f"save_pretrained beside the model's); --format {fmt} writes the "
+                         "weights only: leave out --data")
+    if not is_factory_spec(data):
+        return None  # a built-in dataset: bytes or characters, no tokenizer to save
+    got = load_factory(data, "--data")()
+    tokenizer = getattr(got, "tokenizer", None)
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise UsageError(f"--data {data}: its TrainData.tokenizer is a "
+                         f"{type(tokenizer).__name__}, which has no save_pretrained (give a "
+                         "transformers tokenizer, or none)")
+    return tokenizer
+
+
 def export_run(run_dir: str, fmt: str, dest: str, model: str | None = None,
-               overwrite: bool = False, trust_code: bool = False) -> Exported:
+               overwrite: bool = False, trust_code: bool = False,
+               data: str | None = None) -> Exported:
     """Write the trained model of ``run_dir``'s checkpoint to ``dest`` in format ``fmt``.
 
     ``model``: the command line's ``--model`` (the run's own is used only when it is a
-    built-in); ``overwrite``: ``--overwrite``; ``trust_code``: ``--trust-checkpoint-code``.
+    built-in); ``overwrite``: ``--overwrite``; ``trust_code``: ``--trust-checkpoint-code``;
+    ``data``: the command line's ``--data``, whose ``TrainData.tokenizer`` an hf export
+    carries (``save_pretrained`` beside the model's files).
     """
     if fmt not in FORMATS:
         raise UsageError(f"unknown --format {fmt!r}; choose from {', '.join(FORMATS)}")
+    if os.path.basename(os.path.normpath(run_dir)) in NAMES:  # RUN/checkpoints/best (kept.py)
+        run_dir = resolve_ref(run_dir, "gradsync export")
     path = os.path.join(run_dir, CHECKPOINT)
     if not os.path.isdir(run_dir):
         raise UsageError(f"{run_dir} is not a run directory")
@@ -242,6 +275,7 @@ def export_run(run_dir: str, fmt: str, dest: str, model: str | None = None,
     with trusting(trust_code):
         weights = load_trained(module, state, run_dir, spec)
     module.eval()
+    tokenizer = tokenizer_of(data, fmt) if data else None  # before anything is written
     try:
         os.makedirs(dest, exist_ok=True)
     except OSError as e:
@@ -249,8 +283,10 @@ def export_run(run_dir: str, fmt: str, dest: str, model: str | None = None,
     result = Exported(run=os.path.abspath(run_dir), run_id=header.get("run_id"),
                       step=int(header["step"]), format=fmt, model=spec,
                       strategy=config.get("strategy", "ddp"),
-                      precision=config.get("precision", "fp32"), weights=weights, files=[])
-    meta = {k: v for k, v in asdict(result).items() if k not in ("files", "run")}
-    result.files = _write(module, fmt, dest, meta)
+                      precision=config.get("precision", "fp32"), weights=weights, files=[],
+                      tokenizer=type(tokenizer).__name__ if tokenizer is not None else None)
+    meta = {k: v for k, v in asdict(result).items()
+            if k not in ("files", "run", "tokenizer")}
+    result.files = _write(module, fmt, dest, meta, tokenizer)
     write_json(os.path.join(dest, PROVENANCE), asdict(result), what="the export's provenance")
     return result

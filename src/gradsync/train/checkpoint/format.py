@@ -29,7 +29,7 @@ import torch
 
 from ...atomic import replacing, storage_error  # noqa: F401 - storage_error: state.py's
 from ...errors import UnsafeFileError, UsageError
-from ...rundir import SHARDS, TMP_PREFIX
+from ...rundir import KEPT, SHARDS, TMP_PREFIX
 from ...safeload import load as safe_load
 
 FORMAT = "gradsync-checkpoint"
@@ -97,6 +97,7 @@ def remove_stale_temporaries(directory: str) -> list[str]:
     stale = glob.glob(os.path.join(directory, f"{TMP_PREFIX}*"))
     stale += glob.glob(os.path.join(directory, SHARDS, "*.tmp-*"))
     stale += glob.glob(os.path.join(directory, SHARDS, "*.old-*"))
+    stale += glob.glob(os.path.join(directory, KEPT, f"{TMP_PREFIX}*"))  # kept units (kept.py)
     for path in stale:
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)

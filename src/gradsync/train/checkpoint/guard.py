@@ -51,10 +51,20 @@ import time
 
 from ...errors import UsageError
 from ...ownership import entries, mark, marked, refusal
-from ...rundir import BASELINE, CHECKPOINT, CONFIG, LOCK, MARKER, RUN_FORMAT, SHARDS, read_json
+from ...rundir import (
+    BASELINE,
+    CHECKPOINT,
+    CONFIG,
+    KEPT,
+    LOCK,
+    MARKER,
+    RUN_FORMAT,
+    SHARDS,
+    read_json,
+)
 
 PROBE = ".write-test-"
-OWN_NAMES = {LOCK, MARKER, SHARDS, BASELINE, "flight", "restart.json"}
+OWN_NAMES = {LOCK, MARKER, SHARDS, KEPT, BASELINE, "flight", "restart.json"}
 """Names in a run directory that only gradsync writes: a directory holding nothing else
 (a run killed before its first file) is gradsync's."""
 GRADSYNC_CONFIG = {"global_batch", "micro_batch", "strategy", "steps", "model", "data"}

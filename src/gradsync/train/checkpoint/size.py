@@ -25,7 +25,8 @@ Measured (``tests/train/test_preflight_size.py``): within 10% of the bytes on di
 for ddp, zero1-3, diloco, streaming, int8 and powersgd. A save keeps the previous
 checkpoint until the new one is complete (a temporary file renamed over it, a new
 shard directory beside the old one), so :func:`space_needed` asks for two of them
-at the peak, less what the current checkpoint already occupies.
+at the peak, less what the current checkpoint already occupies -- and for one more per
+unit ``--keep-last``/``--keep-best`` keep (:func:`checkpoints_at_peak`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 from ...engine.local.exchange import split_parameters
 from ...factory import is_factory_spec, load_factory
 from ...models import build_model
-from ...rundir import CHECKPOINT, SHARDS
+from ...rundir import CHECKPOINT, KEPT, SHARDS
 from ..config.resolve import RunConfig
 
 PER_TENSOR = 330
@@ -188,22 +189,41 @@ def estimate_checkpoint_bytes(cfg: RunConfig, model_fn: Callable | None = None) 
 
 
 def on_disk(out: str) -> int:
-    """Bytes the run directory's current checkpoint occupies (``checkpoint.pt`` and every
-    shard directory: they are replaced or removed by the next save)."""
-    total = 0
+    """Bytes the run directory's checkpoints occupy (``checkpoint.pt``, every shard
+    directory and the kept units: replaced, linked or removed by the saves to come); a
+    file linked into a kept unit counted once."""
+    total, seen = 0, set()
     ckpt = os.path.join(out, CHECKPOINT)
-    if os.path.isfile(ckpt):
-        total += os.path.getsize(ckpt)
-    for root, _dirs, files in os.walk(os.path.join(out, SHARDS)):
-        total += sum(os.path.getsize(os.path.join(root, f)) for f in files
-                     if os.path.isfile(os.path.join(root, f)))
+    paths = [ckpt] if os.path.isfile(ckpt) else []
+    for where in (SHARDS, KEPT):
+        for root, _dirs, files in os.walk(os.path.join(out, where)):
+            paths += [os.path.join(root, f) for f in files]
+    for path in paths:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
     return total
 
 
+def checkpoints_at_peak(cfg: RunConfig) -> int:
+    """How many checkpoints are on disk at once at the peak of a save: the previous and the
+    new one; with ``--keep-last N`` / ``--keep-best`` each kept unit holds its own bytes
+    (the newest kept is the previous checkpoint itself, linked), and the new save comes
+    beside them before the oldest is pruned."""
+    n = cfg.checkpoints.keep_last
+    kept = n + (1 if cfg.checkpoints.best else 0)
+    return kept + (1 if n else 2)
+
+
 def space_needed(cfg: RunConfig, model_fn: Callable | None = None) -> int | None:
-    """Free bytes the run directory needs: at the peak of a save the previous checkpoint
-    and the new one are both on disk, less what the current one already occupies."""
+    """Free bytes the run directory needs: at the peak of a save the checkpoints kept, the
+    previous one and the new one are all on disk (:func:`checkpoints_at_peak`), less what
+    they already occupy."""
     size = estimate_checkpoint_bytes(cfg, model_fn)
     if size is None:
         return None
-    return max(size, 2 * size - on_disk(cfg.run.out))
+    return max(size, checkpoints_at_peak(cfg) * size - on_disk(cfg.run.out))

@@ -43,7 +43,9 @@ from ...engine.sharded.checkpoint import load_sharded, save_sharded
 from ...engine.transport import comm
 from ...errors import UsageError
 from ...rundir import SHARDS
+from ..step.monitor import Watch, stopped_early
 from ..task.schedule import planned_steps
+from . import kept as kept_units
 from .format import FORMAT, VERSION, atomic_save, load_checkpoint, storage_error
 from .identity import check as check_identity
 from .identity import optimizer_of
@@ -96,9 +98,15 @@ def decide(cfg, header: dict | None) -> ResumePlan:
     planned, notes = check_identity(cfg, saved, header)  # lr, schedule, optimizer, ...
     sizes = tuple(header.get("world_sizes") or (header.get("world_size"),))
     run_id = header.get("run_id") or new_run_id()  # format 2 had none: one from now on
-    action = "finished" if step >= cfg.run.steps else "resume"
+    stopped = stopped_early(header.get("watch"), cfg.checkpoints.stop)  # --early-stop's end
+    action = "finished" if step >= cfg.run.steps or stopped else "resume"
+    if stopped:
+        watch = Watch(early_stop=cfg.checkpoints.stop)
+        watch.load_state_dict(header.get("watch"))
+        notes = [f"it {watch.stop_line()} (--early-stop {cfg.checkpoints.early_stop}; another "
+                 "value, or none, continues it)"]
     return ResumePlan(action, step, header.get("world_size"), sizes, run_id, planned,
-                      notes if action == "resume" else ())
+                      tuple(notes) if action == "resume" or stopped else ())
 
 
 def device_rng_state(device: torch.device):
@@ -143,6 +151,8 @@ def save(sess, step: int) -> None:
     # differently, so rank 0's alone did not continue the other ranks bit for bit
     rngs = comm.all_gather_object({"cpu": torch.get_rng_state(),
                                    "device": device_rng_state(sess.device)}, tag="rng")
+    last = sess.kept.after_save(step)  # --keep-last's list once this save is in place
+    sess.kept.last, sess.kept.shards = last, shard_dir
     if rank != 0:
         sess.faults.at_save(rank, step)
         return
@@ -156,8 +166,11 @@ def save(sess, step: int) -> None:
                  "config": record,
                  "strategy_extra": strategy.extra_state(), "loss": sess.last_loss,
                  "rng": rngs[0]["cpu"], "device_rng": rngs[0]["device"],
-                 "rng_by_rank": rngs, "unit": {**ident, "shards": shards}},
+                 "rng_by_rank": rngs, "unit": {**ident, "shards": shards},
+                 "kept": sess.kept.state_dict(), "watch": sess.watch.state_dict()},
                 sess.ckpt_path, before_replace=lambda: sess.faults.at_save(0, step))
+    best = sess.watch.best if sess.watch.keep_best else None  # kept units (kept.py)
+    kept_units.after_save(cfg.run.out, step, shard_dir, last, best, _watched(sess))
     if shard_dir:  # the previous steps' shards are no longer referenced
         root = os.path.join(cfg.run.out, SHARDS)
         for name in os.listdir(root):
@@ -214,7 +227,27 @@ def load(sess) -> int:
             torch.set_rng_state(state["rng"])
         set_device_rng_state(sess.device, state.get("device_rng"))
     sess.coordinator.load_state_dict(state.get("balance"))  # the split in force continues
+    sess.watch.load_state_dict(state.get("watch"))  # best so far, patience (step/monitor.py)
+    sess.kept.load_state_dict(state.get("kept"))
+    sess.kept.shards = state.get("optimizer_shards")
     return int(state["step"])
+
+
+def _watched(sess) -> str | None:
+    return sess.watch.keep_best.spec if sess.watch.keep_best else None
+
+
+def reconcile_kept(sess) -> list[str]:
+    """Rank 0 at the start: ``RUN/checkpoints`` brought back to the kept lists of the
+    checkpoint the run continues (``kept.reconcile``); notes for the user."""
+    watch = sess.watch
+    last, best, notes = kept_units.reconcile(sess.cfg.run.out, sess.start_step, sess.kept.shards,
+                                             sess.kept.last, watch.best if watch.keep_best
+                                             else None, _watched(sess))
+    sess.kept.last = last
+    if watch.keep_best:
+        watch.best = best
+    return notes
 
 
 def _follow_current_lr(sched, base: list[float]) -> None:

@@ -40,7 +40,7 @@ from .format import FORMAT, VERSION, CheckpointCorrupt, verify
 
 MANIFEST = "manifest.json"
 HEADER_KEYS = ("format", "version", "step", "world_size", "config", "loss", "steps",
-               "world_sizes", "optimizer_shards")
+               "world_sizes", "optimizer_shards", "watch")
 _AGAIN = "restore a good copy, or start a new run with another --out"
 
 

@@ -1,7 +1,8 @@
 """What a run is asked to do: the flag table, the config resolved once, the run planned.
 
 ``train_config.py`` is the flag table, :class:`TrainConfig` (one field, one flag, one help
-line), and ``flags.py`` turns it into argparse flags and back. ``resolve.py`` checks
+line), and ``flags.py`` turns it into argparse flags and back; ``file.py`` reads and writes
+the same flags as a TOML file (``--config``, ``--print-config``). ``resolve.py`` checks
 every flag once and returns the frozen :class:`RunConfig` the run reads, in sections
 (run, batch, optim, sync, ft, observe) with every value that follows from the flags
 alone. ``plan.py`` is :func:`plan_run`, used by the launcher's preflight and by a worker

@@ -9,13 +9,17 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+from .file import read_toml
 from .train_config import TrainConfig
 
 HIDDEN_ALIASES = {"bucket_cap_mb": ["--bucket-mb"]}
 
 
-def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per TrainConfig field, with the field's help text."""
+def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
+                  given_only: bool = False) -> None:
+    """One flag per TrainConfig field, with the field's help text (and ``--config``,
+    ``--print-config``). ``given_only``: no defaults, so a parse holds only the flags typed
+    (:func:`given_flags`)."""
     for f in fields(TrainConfig):
         if f.name in skip:
             continue
@@ -25,22 +29,44 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
         if callable(meta.get("choices")):  # a registry, read now: later registrations count
             meta["choices"] = meta["choices"]()
         if f.type in (bool, "bool"):
-            parser.add_argument(flag, action="store_true", help=help_text)
+            parser.add_argument(flag, action="store_true", help=help_text,
+                                **({"default": argparse.SUPPRESS} if given_only else {}))
             continue
         kind = (meta.pop("type", None)
                 or {"int": int, "float": float, "str": str}.get(str(f.type), str))
-        default = f.default
-        shown = "" if default in ("", None) else f" (default: {default})"
+        default = argparse.SUPPRESS if given_only else f.default
+        shown = "" if f.default in ("", None) else f" (default: {f.default})"
         extra = {"nargs": "?", "const": "must"} if f.name == "resume" else {}
         parser.add_argument(flag, type=kind, default=default, help=help_text + shown,
                             **meta, **extra)
         for alias in HIDDEN_ALIASES.get(f.name, ()):
             parser.add_argument(alias, dest=f.name, type=kind, default=argparse.SUPPRESS,
                                 help=argparse.SUPPRESS)
+    parser.add_argument("--config", metavar="FILE", default=None if not given_only
+                        else argparse.SUPPRESS,
+                        help="read the flags from this TOML file (keys: the flags without the "
+                        "dashes, e.g. global-batch = 64); flags typed on the command line win")
+    parser.add_argument("--print-config", action="store_true",
+                        **({"default": argparse.SUPPRESS} if given_only else {}),
+                        help="print this run's resolved flags as such a file and exit "
+                        "(--config of it is the same run); nothing starts")
 
 
-def from_args(args: argparse.Namespace, **given) -> TrainConfig:
+def given_flags(argv: list[str], skip: tuple[str, ...] = ()) -> set[str]:
+    """The TrainConfig fields typed on the command line ``argv`` (whatever their values)."""
+    parser = argparse.ArgumentParser(add_help=False)  # abbreviations as the real parser's
+    add_arguments(parser, skip, given_only=True)
+    known, _ = parser.parse_known_args(argv)
+    return set(vars(known))
+
+
+def from_args(args: argparse.Namespace, argv: list[str] | None = None, **given) -> TrainConfig:
     """The parsed flags as a TrainConfig (checked when made); ``given``: fields the parser
-    did not take (torchrun's ``workers``)."""
+    did not take (torchrun's ``workers``). With ``--config FILE`` the file's values stand
+    where ``argv`` (the command line parsed, without the subcommand) typed no flag."""
     values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    if getattr(args, "config", None):
+        typed = given_flags(argv or [])
+        from_file = read_toml(args.config, list(fields(TrainConfig)))
+        values.update({k: v for k, v in from_file.items() if k not in typed and k in values})
     return TrainConfig(**{**values, **given})

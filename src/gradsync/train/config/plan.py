@@ -34,9 +34,11 @@ from ...rundir import CHECKPOINT
 from ...safeload import trusting
 from ..checkpoint.format import remove_stale_temporaries
 from ..checkpoint.guard import RunLock, check_run_dir
+from ..checkpoint.kept import install, resolve_ref
 from ..checkpoint.size import space_needed
 from ..checkpoint.state import decide
 from ..checkpoint.unit import read_unit
+from ..task.init_from import source_kind
 from .resolve import RunConfig
 
 
@@ -163,6 +165,33 @@ def same_command_on(workers: int) -> str:
             f"= {workers}; gs.train: workers={workers})")
 
 
+def start_from(ref: str, out: str) -> None:
+    """``--resume-from``: the checkpoint ``ref`` names becomes ``out``'s, verified first,
+    when ``out`` holds none yet; a later launch of the same command finds it there and
+    continues ``out`` (the unit's run, further on), as every resume does.
+
+    The source is never written: the unit is linked or copied in (``kept.install``). Its run
+    id is kept -- the run continues, in another directory -- and a source inside ``out``
+    (rolling a run back onto itself) is refused: it would replace the newer checkpoint
+    and the kept units after it.
+    """
+    src = resolve_ref(ref, "--resume-from")
+    here = os.path.realpath(out)
+    if os.path.commonpath([here, os.path.realpath(src)]) == here:
+        raise UsageError(f"--resume-from {ref} is inside --out {out}: it continues a checkpoint "
+                         "in a new run directory, leaving the source as it is; choose a new "
+                         f"--out (or leave out --resume-from to continue {out} from its newest)")
+    header = read_unit(os.path.join(src, CHECKPOINT))  # every byte, data only
+    have = read_unit(os.path.join(out, CHECKPOINT))
+    if have is None:
+        install(src, out)
+        return
+    if have.get("run_id") != header.get("run_id") or have["step"] < header["step"]:
+        raise UsageError(f"--out {out} already holds a checkpoint (step {have['step']}) of "
+                         f"another run than --resume-from {ref} (step {header['step']}): choose "
+                         f"a new --out, or leave out --resume-from to continue {out}")
+
+
 def plan_run(cfg: RunConfig, world: int, *, locked: bool = False, model_fn=None,
              continue_with: Callable[[int], str] = same_command_on,
              before_directory: Callable[[], None] | None = None
@@ -195,6 +224,8 @@ def plan_run(cfg: RunConfig, world: int, *, locked: bool = False, model_fn=None,
     try:
         remove_stale_temporaries(out)
         with trusting(cfg.run.trust_checkpoint_code):  # data only, unless the user opted in
+            if cfg.checkpoints.resume_from:
+                start_from(cfg.checkpoints.resume_from, out)
             decision = decide(cfg, read_unit(os.path.join(out, CHECKPOINT)))  # every byte
         if lock:
             lock.claim()  # gradsync's run directory from now on (guard.py)
@@ -202,11 +233,17 @@ def plan_run(cfg: RunConfig, world: int, *, locked: bool = False, model_fn=None,
             accum = accumulation(cfg, world, resuming=decision.action != "fresh")
         if decision.action == "resume":
             _check_local_sync_world(cfg, decision.was_world, world, continue_with)
+        notes = tuple(decision.notes)
+        if cfg.task.init_from and decision.action == "fresh":
+            source_kind(cfg.task.init_from)  # its kind, before any worker reads it
+        elif cfg.task.init_from and decision.action == "resume":
+            notes += (f"--init-from is for a fresh start; the run continues from its checkpoint "
+                      f"(step {decision.step}) and does not read {cfg.task.init_from}",)
     except BaseException:
         if lock:
             lock.release()
         raise
     plan = RunPlan(world, accum, decision.action, decision.step, decision.was_world,
                    tuple(decision.world_sizes), decision.run_id, decision.schedule_steps,
-                   tuple(decision.notes))
+                   notes)
     return plan, lock

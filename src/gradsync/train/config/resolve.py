@@ -9,7 +9,7 @@ replica group of a one-machine ``--ft-groups`` run. What needs the world or the
 checkpoint (the accumulation count, the resume decision, the schedule's planned
 length) is :func:`gradsync.train.config.plan.plan_run`'s.
 
-Six sections, each a frozen dataclass, so a reader finds a value where its idea is:
+Eight sections, each a frozen dataclass, so a reader finds a value where its idea is:
 
 * ``run``: what is trained, where, how long -- model, data, steps, the run directory,
   resuming, the workers and their backend;
@@ -22,6 +22,10 @@ Six sections, each a frozen dataclass, so a reader finds a value where its idea 
 * ``ft``: fault tolerance across replica groups;
 * ``observe``: what the run records -- evaluation, trace, drift check, trackers, the
   report, the baseline.
+* ``checkpoints``: which checkpoints are kept (the last N, the best), early stopping,
+  and the checkpoint a run continues from (``--resume-from``);
+* ``task``: how the model and its data are made ready -- the weights it starts from
+  (``--init-from``), activation checkpointing, the data loader's workers.
 
 Every refusal of a flag or of a combination of flags lives in exactly one place,
 and is made here, once: ranges, choices, what a model needs, and the rules with a
@@ -38,6 +42,7 @@ record them.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import dataclass, field, fields
 
@@ -49,6 +54,7 @@ from ...factory import is_factory_spec
 from ...models import MODELS
 from ..checkpoint.identity import parse_overrides
 from ..records.trackers import check_log
+from ..step.monitor import EarlyStop, Monitor, parse_early_stop, parse_monitor
 from ..step.straggler import Straggler, parse_stragglers
 from ..task.builtins import DATA_FOR_MODEL, DATASETS, DEFAULT_DATA, OPTIMIZERS
 
@@ -195,8 +201,36 @@ class ObserveSection:
     trace_window: tuple[int, int] | None = _derived(default=None)  # 1-based, inclusive
 
 
+@dataclass(frozen=True)
+class CheckpointsSection:
+    """Checkpoints kept beside the newest, early stopping, the checkpoint a run starts from."""
+
+    keep_last: int
+    keep_best: str
+    early_stop: str
+    resume_from: str  # resolved: absolute
+    best: Monitor | None = _derived(default=None)  # --keep-best, parsed
+    stop: EarlyStop | None = _derived(default=None)  # --early-stop, parsed
+
+    @property
+    def watched(self) -> list[tuple[str, Monitor]]:
+        """(flag, figure) of every held-out figure the run watches."""
+        return ([("--keep-best", self.best)] if self.best else []) + \
+            ([("--early-stop", self.stop.monitor)] if self.stop else [])
+
+
+@dataclass(frozen=True)
+class TaskSection:
+    """How the model and its data are made ready: starting weights, recomputation, loading."""
+
+    init_from: str  # resolved: absolute
+    activation_checkpointing: bool
+    loader_workers: int
+
+
 SECTIONS = {"run": RunSection, "batch": BatchSection, "optim": OptimSection,
-            "sync": SyncSection, "ft": FtSection, "observe": ObserveSection}
+            "sync": SyncSection, "ft": FtSection, "observe": ObserveSection,
+            "checkpoints": CheckpointsSection, "task": TaskSection}
 
 
 def flag_fields(section) -> list[tuple[str, str]]:
@@ -219,6 +253,8 @@ class RunConfig:
     sync: SyncSection
     ft: FtSection
     observe: ObserveSection
+    checkpoints: CheckpointsSection
+    task: TaskSection
     flag_order: tuple[str, ...] = ()  # the flag table's order, which to_dict keeps
 
     def to_dict(self) -> dict:
@@ -374,6 +410,7 @@ def resolve(cfg) -> RunConfig:
     check_mode_flags(cfg)  # --sync-every without --sync diloco: refused, not ignored
     check_ft(cfg)  # --ft-groups with what it cannot carry yet: refused, not dropped
     check_data_parts(cfg)  # --data-parts with what it cannot keep apart
+    best, stop = check_checkpoints(cfg, v)  # --keep-*, --early-stop, --resume-from, --init-from
     balanced = v["balance"] == "auto" and v["sync"] == "exact" and v["compress"] == "none"
     return RunConfig(
         run=RunSection(**{a: v[f] for f, a in flag_fields(RunSection)}, overrides=overrides),
@@ -385,6 +422,9 @@ def resolve(cfg) -> RunConfig:
         ft=FtSection(**{a: v[f] for f, a in flag_fields(FtSection)}),
         observe=ObserveSection(**{a: v[f] for f, a in flag_fields(ObserveSection)},
                                trace_window=window),
+        checkpoints=CheckpointsSection(**{a: v[f] for f, a in flag_fields(CheckpointsSection)},
+                                       best=best, stop=stop),
+        task=TaskSection(**{a: v[f] for f, a in flag_fields(TaskSection)}),
         flag_order=tuple(v))
 
 
@@ -593,3 +633,61 @@ def traced_steps(trace: bool, trace_steps: str, steps: int) -> tuple[int, int] |
         raise UsageError(f"--trace-steps {text} goes beyond the last step (--steps "
                          f"{steps}); choose a window within 1:{steps}")
     return first, last
+
+
+# ------------------------------------------ checkpoints kept, early stopping, the start
+# (issue 37: what accelerate, Lightning and torchtitan users reach for first)
+
+_LAST_STEP_DOES_MORE = "the run's last step does more after its evaluation"
+
+
+def check_checkpoints(cfg, v: dict) -> tuple[Monitor | None, EarlyStop | None]:
+    """``--keep-last``, ``--keep-best``, ``--early-stop``, ``--resume-from``, ``--init-from``,
+    ``--loader-workers``: ranges, what they need, what they do not combine with; the
+    parsed figures. The two paths are made absolute in ``v`` (a run continued from another
+    directory finds them; config.json and checkpoints record them so).
+
+    * ``--keep-best`` and ``--early-stop`` watch held-out figures, so they need
+      ``--eval-every`` > 0; a metric the data lacks is refused when the task is built
+      (``step/monitor.check_watched``: a factory's metrics exist only once it has run).
+      When both watch the same figure they must agree which way is better.
+    * ``--early-stop`` does not combine with ``--sync diloco|streaming-diloco`` nor with
+      ``--compress-delay 1``: there the last step syncs the replicas, or applies the
+      gradient still in flight, *after* its evaluation, so stopping on an evaluation
+      would end on another model than the one evaluated.
+    * None of them combines with ``--ft-groups`` yet (each replica group saves its own
+      checkpoints; kept units and a stop decided across groups are not built).
+    * ``--resume-from`` continues a checkpoint, ``--init-from`` starts afresh from
+      weights: one or the other.
+    """
+    for name in ("keep_last", "loader_workers"):
+        if not isinstance(v[name], int) or isinstance(v[name], bool) or v[name] < 0:
+            raise UsageError(f"{_as_flag(name)} must be an integer >= 0, got {v[name]!r}")
+    best = parse_monitor(v["keep_best"], "--keep-best")
+    stop = parse_early_stop(v["early_stop"])
+    for flag, watched in (("--keep-best", best), ("--early-stop", stop)):
+        if watched is not None and not v["eval_every"]:
+            raise UsageError(f"{flag} watches held-out evaluations, and --eval-every is 0: "
+                             f"give --eval-every N (the steps between evaluations)")
+    if best and stop and best.name == stop.monitor.name and best.mode != stop.monitor.mode:
+        raise UsageError(f"--keep-best {best.spec} and --early-stop {stop.monitor.spec} watch "
+                         f"{best.name} in opposite directions: give both :min or both :max")
+    if stop is not None:
+        for bad, flag in ((v["sync"] != "exact", f"--sync {v['sync']}"),
+                          (v["compress_delay"], f"--compress-delay {v['compress_delay']}")):
+            if bad:
+                raise UsageError(f"--early-stop does not combine with {flag}: "
+                                 f"{_LAST_STEP_DOES_MORE} (the final sync or the pending "
+                                 "gradient), so it would not end on the model it evaluated")
+    if v["ft_groups"]:
+        for name in ("keep_last", "keep_best", "early_stop", "resume_from"):
+            if v[name]:
+                raise UsageError(f"{_as_flag(name)} does not combine with --ft-groups yet: "
+                                 "each replica group keeps its own checkpoint")
+    if v["resume_from"] and v["init_from"]:
+        raise UsageError("--resume-from continues a checkpoint and --init-from starts a new run "
+                         "from weights: give one of them")
+    for name in ("resume_from", "init_from"):
+        if v[name]:
+            v[name] = os.path.abspath(os.path.expanduser(str(v[name])))
+    return best, stop

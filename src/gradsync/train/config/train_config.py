@@ -22,11 +22,12 @@ too (:func:`baseline_config`), and resolved as that run's own.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from ...dist import BACKENDS
 from ...engine.strategy.options import COLLECTIVES, SYNC_METHODS, SyncOptions
 from ...engine.strategy.registry import PRECISIONS, STRATEGIES
+from .file import read_toml, to_toml
 from .resolve import (
     BALANCE_CHOICES,
     CLIP_RECIPE,  # noqa: F401 - the field's help names it; re-exported for readers
@@ -106,6 +107,14 @@ class TrainConfig:
     ft_group: int = field(default=-1, metadata={"help": "this job's replica group, 0..N-1 (a cluster: one torchrun per group with --ft-groups N and --ft-lighthouse)"})
     ft_lighthouse: str = field(default="", metadata={"help": "the torchft lighthouse's address, HOST:PORT (torchft_lighthouse --min_replicas M; default: TORCHFT_LIGHTHOUSE)"})
     ft_timeout: float = field(default=5.0, metadata={"help": "seconds a cross-group collective waits for a silent group before the step is redone without it (a dead process is seen at once; a partitioned link after this)"})
+    # checkpoints kept, early stopping, where a run starts, memory (issue 37; docs/train.md)
+    keep_last: int = field(default=0, metadata={"help": "keep the last N checkpoints (every save: --checkpoint-every, each new --keep-best, the end) as whole units a run can continue from, in OUT/checkpoints/step-N (0: only checkpoint.pt, the newest)"})
+    keep_best: str = field(default="", metadata={"help": "keep the checkpoint of the best held-out figure, NAME[:min|:max]: eval_loss, or a metric of your TrainData.metrics (accuracy:max); a new best is saved when it is evaluated (OUT/checkpoints/best names it); needs --eval-every"})
+    early_stop: str = field(default="", metadata={"help": "stop when a held-out figure has not improved in PATIENCE evaluations in a row, NAME[:min|:max]:PATIENCE[:MIN_DELTA] (e.g. eval_loss:5, accuracy:max:3:0.001); the run then ends with a checkpoint and its summary says where and why; needs --eval-every"})
+    resume_from: str = field(default="", metadata={"help": "continue the checkpoint PATH in a new --out: a run directory, a kept one (OUT/checkpoints/step-N) or OUT/checkpoints/best; the source is left as it is"})
+    init_from: str = field(default="", metadata={"help": "start a fresh run from these weights (not a resume: step 1, a fresh optimizer and schedule): a gradsync export directory, a .safetensors file, a transformers directory (from_pretrained, when --model is a transformers model), a run or kept checkpoint (its trained weights) or a .pt state dict; read as data only"})
+    activation_checkpointing: bool = field(default=False, metadata={"help": "recompute each block's activations in backward instead of keeping them (the built-in gpt's blocks; your model's largest ModuleList/Sequential of same-typed blocks; a transformers model's own gradient checkpointing): less memory, about a third more compute, the same numbers"})
+    loader_workers: int = field(default=0, metadata={"help": "collate each micro-batch in N torch DataLoader worker processes, ahead of the step that needs it, in the step sampler's order (pinned memory on a GPU); 0: in the training process"})
 
     def __post_init__(self) -> None:
         resolved = resolve(self)  # every check, once; raises one UsageError
@@ -152,6 +161,17 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_file(cls, path: str, **overrides) -> TrainConfig:
+        """The flags of a TOML file (``gradsync train --config``; ``config/file.py``),
+        ``overrides`` replacing its values."""
+        return cls(**{**read_toml(path, list(fields(cls))), **overrides})
+
+    def to_toml(self) -> str:
+        """The resolved flags as a config file (``--print-config``): ``from_file`` of it
+        is the same run."""
+        return to_toml(self.resolved().to_dict(), list(fields(self)))
+
 
 def baseline_config(cfg: RunConfig, accumulation: int) -> RunConfig:
     """One worker, the same micro-batch and accumulation: the per-worker work of the real run.
@@ -169,4 +189,5 @@ def baseline_config(cfg: RunConfig, accumulation: int) -> RunConfig:
         "drift_every": 0, "baseline": False, "no_report": True, "checkpoint_every": 0,
         "eval_every": 0, "resume": "auto", "port": 0, "max_restarts": 0, "log": "",
         "baseline_steps": TrainConfig.baseline_steps,  # its default: no --baseline here
+        "keep_last": 0, "keep_best": "", "early_stop": "", "resume_from": "",  # a measurement
         "data_parts": 1}).resolved()  # one worker reads the whole set; the work per step alike

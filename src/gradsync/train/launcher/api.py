@@ -106,7 +106,9 @@ def take_factories(overrides: dict) -> dict[str, Callable]:
 
 def _config(config, model, data, overrides: dict) -> tuple[TrainConfig, object, object]:
     """The flags ``gs.train`` was given, as one TrainConfig, and the factory objects."""
-    if config is None:
+    if isinstance(config, (str, os.PathLike)):  # a --config file (config/file.py)
+        config = TrainConfig.from_file(config, **overrides)
+    elif config is None:
         config = TrainConfig(**overrides) if overrides else TrainConfig()
     elif isinstance(config, dict):
         config = TrainConfig(**{**config, **overrides})
@@ -138,8 +140,9 @@ def train(config: TrainConfig | dict | None = None, model=None, data=None, *,
     """Train like ``gradsync train``; returns the run summary (rank 0 / the launcher).
 
     Args:
-        config: a :class:`TrainConfig` (or a dict of its fields); ``overrides``
-            replace fields (``steps=100, out="runs/a"``).
+        config: a :class:`TrainConfig`, a dict of its fields, or the path of a TOML file
+            of them (``gradsync train --config``'s; ``TrainConfig.from_file``);
+            ``overrides`` replace fields (``steps=100, out="runs/a"``).
         model: a factory ``() -> nn.Module`` or ``"pkg.module:factory"`` (or a
             built-in name); default ``config.model``.
         data: a factory ``() -> Dataset | TrainData`` or ``"pkg.module:factory"``;
@@ -171,7 +174,7 @@ def train(config: TrainConfig | dict | None = None, model=None, data=None, *,
         if lock.note():
             print(f"gradsync train: {lock.note()}", flush=True)
         if plan.action == "finished":
-            print(finished_line(cfg, plan.step, plan.schedule_steps), flush=True)
+            print(finished_line(cfg, plan.step, plan.schedule_steps, plan.notes), flush=True)
             repair_summary(cfg.run.out)
             return None
         try:

@@ -134,7 +134,7 @@ class Instruments:
                         for b in strategy.bucket_plan],
         }, indent=1)
 
-    def maybe_check_drift(self, step: int, strategy) -> None:  # or a replicated module
+    def maybe_check_drift(self, step: int, strategy, last: bool = False) -> None:
         """Replicas bit-identical *and* finite: identical NaNs are drift from the model too.
 
         Checked where the strategy makes the replicas identical (``--drift-every 0``:
@@ -144,9 +144,11 @@ class Instruments:
         the previous check (so never more often than that, and never between syncs)
         -- and at the end; streaming DiLoCo merges each synced fragment into the local
         copy, so its replicas agree only after the final sync, at the end. zero3,
-        whose ranks hold different shards: never.
+        whose ranks hold different shards: never. ``strategy``: or a replicated module;
+        ``last``: the run ends after this step (an early stop), checked as at the end.
         """
-        if not self.cfg.observe.drift_every or not self._drift_due(step, strategy):
+        if not self.cfg.observe.drift_every or not (self._drift_due(step, strategy) or (
+                last and getattr(strategy, "replicated", True))):
             return
         module = strategy if isinstance(strategy, torch.nn.Module) else strategy.module
         try:

@@ -13,7 +13,7 @@ import time
 
 from ...engine.strategy.inexact import LocalUpdateStrategy
 from ...observe.traffic import run_traffic, traffic_line
-from ...rundir import METRICS, SUMMARY, Summary, read_metrics, sync_description, write_json
+from ...rundir import KEPT, METRICS, SUMMARY, Summary, read_metrics, sync_description, write_json
 from ..worker.session import Session
 from .instrument import drift_line, write_report_safely
 
@@ -77,6 +77,7 @@ def build_summary(sess: Session) -> Summary:
         summary.loss_scale = {"skipped": len({r["step"] for r in rows if r.get("overflow")}),
                               "scale": scaler.scale}
     summary.fault_tolerance = sess.coordinator.summary(rows)  # across replica groups
+    summary.kept, summary.early_stop = kept_summary(sess), sess.watch.summary()
     traffic = run_traffic(rows, summary.gradient_bytes)
     if traffic is not None:
         summary.sent_bytes, summary.exact_bytes = traffic.sent, traffic.exact
@@ -129,6 +130,10 @@ def finish(sess: Session) -> dict | None:
         rows.insert(1, ("skipped steps (non-finite)", ", ".join(map(str, s.skipped_steps))))
     if s.loss_scale:
         rows.insert(-2, ("loss scaling (fp16)", loss_scale_line(s.loss_scale)))
+    if s.kept:  # --keep-last, --keep-best, --early-stop (issue 37)
+        rows.insert(-1, ("checkpoints kept", kept_line(s.kept)))
+    if s.early_stop:
+        rows.insert(-1, ("early stopping", sess.watch.stop_line()))
     sess.display.summary(rows, title=f"gradsync train: {cfg.run.model} on {cfg.run.data} "
                                      f"({cfg.sync.strategy}, {cfg.sync.precision})")
     mem = sess.memory or sess.strategy.memory_report()
@@ -136,6 +141,31 @@ def finish(sess: Session) -> dict | None:
     if not cfg.observe.no_report:
         write_report_safely(cfg.run.out)
     return s.to_json()
+
+
+def kept_summary(sess: Session) -> dict | None:
+    """summary.json's ``kept``: the units ``--keep-last``/``--keep-best`` left (None: neither)."""
+    cfg = sess.cfg.checkpoints
+    if not cfg.keep_last and not cfg.best:
+        return None
+    best = sess.watch.best
+    return {"last": list(sess.kept.last), "dir": os.path.join(sess.cfg.run.out, KEPT),
+            "best": {"step": best["step"], "metric": cfg.best.spec, "value": best["value"]}
+            if cfg.best and best else None}
+
+
+def kept_line(kept: dict) -> str:
+    """"last 3 (steps 80, 90, 100); best eval_loss 1.2345 at step 60, in runs/a/checkpoints"."""
+    parts = []
+    if kept.get("last"):
+        steps = kept["last"]
+        parts.append(f"last {len(steps)} (step{'s' * (len(steps) != 1)} "
+                     f"{', '.join(map(str, steps))})")
+    best = kept.get("best")
+    if best:
+        parts.append(f"best {best['metric'].split(':')[0]} {best['value']:.6g} at step "
+                     f"{best['step']}")
+    return ("; ".join(parts) or "none") + f", in {kept['dir']}"
 
 
 def loss_scale_line(figures: dict) -> str:

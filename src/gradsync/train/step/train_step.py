@@ -92,11 +92,12 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
     # the loss sum stays on the device: read once per step, with the other figures
     loss_sum = torch.zeros((), dtype=torch.float64, device=sess.device)
     items = 0
-    for k, idx in enumerate(micro):
+    batches = sess.batches.step(micro)  # collated here, or by --loader-workers (task/loader.py)
+    for k in range(len(micro)):
         last = k == len(micro) - 1
         poison = last and sess.faults.at_step(sess.rank, step, model.module)
         sess.slowdown.before_micro_batch()
-        x, y = task.collate(task.data.train, idx)
+        x, y = next(batches)
         n = task.items(x, y)  # on the host, before the copy: no device read
         x, y = _to((x, y), sess.device)
         with contextlib.nullcontext() if last else model.no_sync():

@@ -51,6 +51,7 @@ from .conventions import shifted_token_items as _shifted_token_items
 from .conventions import stack as _stack
 from .eval_metrics import check_metrics
 from .optim import optimizer_factory, scheduler_factory
+from .recompute import checkpoint_blocks
 
 
 @dataclass
@@ -67,6 +68,9 @@ class TrainData:
         metrics: ``{name: fn(output, target) -> (sum, count)}``, evaluated on ``eval``
             beside the held-out loss: sums and counts are added over every held-out
             batch of every rank, and ``sum / count`` is reported (``eval_metrics.py``).
+        tokenizer: what made the tokens (a transformers tokenizer, anything with
+            ``save_pretrained``): ``gradsync export --format hf --data`` saves it beside
+            the model. Training never reads it.
     Missing loss/items follow the target dtype (see the module docstring).
     """
 
@@ -77,6 +81,7 @@ class TrainData:
     collate_fn: Callable | None = None
     item_name: str | None = None
     metrics: Mapping[str, Callable] | None = None
+    tokenizer: object | None = None
 
 
 @dataclass
@@ -185,10 +190,13 @@ def build_task(cfg: RunConfig, model_fn: Callable | None = None,
         if not isinstance(model, nn.Module):
             raise UsageError(f"model factory {factory_name(model_fn)} returned "
                              f"{type(model).__name__}, not a torch.nn.Module")
-    elif cfg.run.model == "gpt":
-        model = build_model("gpt", seq_len=cfg.run.seq_len)
+    elif cfg.run.model == "gpt":  # its blocks checkpoint themselves (models/gpt.py)
+        model = build_model("gpt", seq_len=cfg.run.seq_len,
+                            checkpoint_activations=cfg.task.activation_checkpointing)
     else:
         model = build_model(cfg.run.model)
+    if cfg.task.activation_checkpointing and cfg.run.model != "gpt":
+        checkpoint_blocks(model, cfg.run.model)  # per block, names unchanged (recompute.py)
     _refuse_meta(model, cfg.run.model)
     data_fn = data_fn or (load_factory(cfg.run.data) if is_factory_spec(cfg.run.data) else None)
     data = complete(data_fn()) if data_fn is not None else builtin_data(cfg.run.data, cfg)

@@ -71,8 +71,12 @@ def past_plan_note(cfg, planned: int) -> str | None:
             f"{cfg.run.steps} steps instead, add --override schedule-steps")
 
 
-def finished_line(cfg, step: int, planned: int) -> str:
-    """``gradsync train``'s line for a run directory whose run is already finished."""
+def finished_line(cfg, step: int, planned: int, notes=()) -> str:
+    """``gradsync train``'s line for a run directory whose run is already finished
+    (``notes``: the plan's, which say where an early stop ended it)."""
+    if notes and step < cfg.run.steps:
+        return (f"gradsync train: {cfg.run.out} already finished: {'; '.join(notes)}; "
+                "nothing to do")
     return (f"gradsync train: {cfg.run.out} already finished (step {step} of {cfg.run.steps}); "
             f"nothing to do. A larger --steps continues it: its learning-rate schedule keeps "
             f"its plan ({describe(cfg, planned)}), so the extra steps train at "

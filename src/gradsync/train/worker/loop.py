@@ -24,22 +24,27 @@ from ..checkpoint.state import save
 from ..config.resolve import RunConfig
 from ..records.callbacks import Callbacks
 from ..records.summary import finish
+from ..step.monitor import Verdict
 from ..step.train_step import run_step
 from .faults import FaultInjector
 from .session import Session
 from .setup import setup
 
 
-def _between_steps(sess: Session, step: int) -> bool:
-    """Plan, drift, checkpoint after step ``step``; True: stop here (a clean preemption)."""
+def _between_steps(sess: Session, step: int, verdict: Verdict) -> bool:
+    """Plan, drift, checkpoint after step ``step``; True: stop here (a clean preemption).
+
+    ``verdict``: what this step's evaluation decided (``step/monitor.py``): a new best is
+    saved now, to be kept (``--keep-best``), and so is the step an early stop ends on."""
     cfg = sess.cfg
-    if step in (sess.start_step + 1, cfg.run.steps) or (sess.inst.window and
-                                                    step == sess.inst.window[1]):
+    last = step == cfg.run.steps or verdict.stop
+    if step in (sess.start_step + 1, cfg.run.steps) or verdict.stop or (
+            sess.inst.window and step == sess.inst.window[1]):
         sess.inst.write_plan(sess.strategy)
-    sess.inst.maybe_check_drift(step, sess.strategy)  # it knows where replicas must agree
+    sess.inst.maybe_check_drift(step, sess.strategy, last=verdict.stop)  # where replicas agree
     stop = sess.faults.stop_after(step)
     every = cfg.run.checkpoint_every
-    if step == cfg.run.steps or stop or (every and step % every == 0):
+    if last or stop or verdict.best or (every and step % every == 0):
         save(sess, step)
         sess.last_checkpoint = step
     return stop
@@ -67,7 +72,8 @@ def train_session(sess: Session, callbacks=None) -> dict | None:
                 continue
             step += 1
             hooks.step_ended(sess, rec)
-            stop = _between_steps(sess, rec.step)
+            verdict = sess.watch.observe(rec.step, rec.eval_loss, rec.eval_metrics)
+            stop = _between_steps(sess, rec.step, verdict)
             if sess.last_checkpoint == rec.step:
                 hooks.saved(sess, rec)
             if stop:
@@ -75,6 +81,10 @@ def train_session(sess: Session, callbacks=None) -> dict | None:
                     sess.display.say(f"gradsync train: stopped after step {rec.step} (checkpoint "
                                      "saved); run the same command again to continue")
                 return None
+            if verdict.stop:  # --early-stop: this step's checkpoint ends the run
+                if sess.display:
+                    sess.display.say(f"gradsync train: early stop: {sess.watch.stop_line()}")
+                break
     return finish(sess)
 
 

@@ -16,13 +16,16 @@ from ...data.sampler import StepSampler
 from ...engine.strategy.base import Strategy
 from ...rundir import MetricsWriter
 from ..checkpoint.guard import RunLock
+from ..checkpoint.kept import Kept
 from ..config.plan import RunPlan
 from ..config.resolve import RunConfig
 from ..records.instrument import Instruments
 from ..records.progress import RunDisplay
 from ..step.coordinator import StepCoordinator
+from ..step.monitor import Watch
 from ..step.straggler import Slowdown
 from ..task.build import Task
+from ..task.loader import StepBatches
 from .faults import FaultInjector
 
 
@@ -60,6 +63,9 @@ class Session:
     items_per_step: int = 0
     coordinator: StepCoordinator | None = None  # who takes part in each step (step/coordinator)
     slowdown: Slowdown | None = None  # --straggler: this rank's emulated slowness
+    watch: Watch = field(default_factory=Watch)  # --keep-best, --early-stop (step/monitor)
+    kept: Kept = field(default_factory=Kept)  # --keep-last (checkpoint/kept.py)
+    batches: StepBatches | None = None  # the step's micro-batches, --loader-workers (task/loader)
 
     @property
     def unit(self) -> str:
@@ -71,6 +77,8 @@ class Session:
         self.inst.close()
         if self.slowdown:
             self.slowdown.close()
+        if self.batches is not None:
+            self.batches.close()
         if self.writer:
             self.writer.close()
         if self.lock:

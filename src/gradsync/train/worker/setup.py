@@ -34,6 +34,7 @@ from ...rundir import (
 )
 from ...safeload import trusting
 from ..checkpoint import state
+from ..checkpoint.kept import Kept
 from ..checkpoint.restarts import note_restart
 from ..config.plan import RunPlan, check_data_size, plan_run, step_sampler
 from ..config.resolve import RunConfig
@@ -41,8 +42,11 @@ from ..records.instrument import Instruments, baseline_rate_of
 from ..records.progress import RunDisplay
 from ..records.summary import repair_summary
 from ..step.coordinator import LocalSteps
+from ..step.monitor import Watch, check_watched
 from ..step.straggler import Slowdown
 from ..task.build import build_task
+from ..task.init_from import init_weights
+from ..task.loader import StepBatches
 from ..task.optim import build_with_optimizer
 from ..task.schedule import finished_line, lr_factor
 from .faults import FaultInjector
@@ -102,14 +106,17 @@ def setup(cfg: RunConfig, model_fn=None, data_fn=None, faults: FaultInjector | N
     plan, lock = _plan(cfg, rank, world, prepared, model_fn)
     if plan.action == "finished":
         if rank == 0:
-            print(finished_line(cfg, plan.step, plan.schedule_steps), flush=True)
+            print(finished_line(cfg, plan.step, plan.schedule_steps, plan.notes), flush=True)
             if not prepared:
                 repair_summary(cfg.run.out)
             if lock:
                 lock.release()
         return None
+    if plan.action == "fresh" and cfg.task.init_from:  # weights to start from, every rank
+        init_weights(task.model, cfg.task.init_from, cfg.run.model, cfg.run.trust_checkpoint_code)
     n = len(task.data.train)
     check_data_size(cfg, n)
+    check_watched(cfg.checkpoints.watched, task.data.metrics, task.data.eval)  # every rank alike
     # who takes part in each step, chosen once: this group alone, or replica groups (ft/)
     coordinate = quorum_step.coordinator_for(cfg) if cfg.ft.member else None
     strategy, sched = build_with_optimizer(  # a DiLoCo worker per group: ft's outer sync
@@ -122,6 +129,10 @@ def setup(cfg: RunConfig, model_fn=None, data_fn=None, faults: FaultInjector | N
                    Instruments(cfg, rank, world, info.device),
                    os.path.join(cfg.run.out, CHECKPOINT), started, lock=lock)
     sess.slowdown = Slowdown(cfg.batch.stragglers, rank)
+    sess.watch = Watch(cfg.checkpoints.best, cfg.checkpoints.stop)
+    sess.kept = Kept(cfg.checkpoints.keep_last)
+    sess.batches = StepBatches(task.data.train, task.data.collate_fn, cfg.task.loader_workers,
+                               info.device, seed=cfg.run.seed * 65537 + rank)
     sess.coordinator = coordinate(sess) if coordinate else LocalSteps(
         cfg, plan, rank, say=lambda line: sess.display.say(line) if sess.display else None)
     sess.world_sizes = list(plan.world_sizes) if plan.action == "resume" else []
@@ -155,6 +166,8 @@ def _open_rank0(sess: Session) -> None:
                          f"{len(dropped)} damaged line(s) ({'; '.join(dropped[:3])}) and "
                          "rewrote it without them")
     note_restart(sess, reached)
+    for note in [*state.reconcile_kept(sess), *sess.watch.notes]:  # kept units, --keep-best
+        sess.display.say(f"gradsync train: {note}")
     if plan.action == "resume":
         workers = "1 worker" if sess.world == 1 else f"{sess.world} workers"
         sess.display.say(f"gradsync train: resuming from step {sess.start_step} of {cfg.run.steps} "
