@@ -374,3 +374,13 @@ def tokenized_lm() -> gs.TrainData:
     """padded_tokens' samples with the tokenizer that (notionally) made them: what an hf
     export saves beside the model (``gradsync export --format hf --data``)."""
     return gs.TrainData(train=PaddedTokens(), tokenizer=word_tokenizer())
+
+
+def dropout_per_rank64() -> nn.Module:
+    """tiny64 with dropout whose random stream differs per rank (seeded with the rank
+    after the build, as users do for per-replica noise): a resume must restore each
+    rank's own stream, not rank 0's on every rank."""
+    model = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Dropout(0.3),
+                          nn.Linear(HIDDEN, D_OUT)).double()
+    torch.manual_seed(1000 + gs.rank())
+    return model
