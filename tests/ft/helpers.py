@@ -60,10 +60,32 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def final_model(run: Path) -> dict:
+def final_model(run: Path, steps: int = 8) -> dict:
+    """The run's last checkpoint's parameters, ``slow64``'s without its ``net.`` prefix (the
+    same tiny64 behind a forward delay), so they compare with the straight run's."""
     final = torch.load(run / "checkpoint.pt", weights_only=False)
-    assert final["step"] == 8
-    return final["model"]
+    assert final["step"] == steps
+    return {k.removeprefix("net."): v for k, v in final["model"].items()}
+
+
+SLOW = ["--model", "tests.train.factories:slow64"]
+"""tiny64 whose every forward takes ``GRADSYNC_TEST_FORWARD_S``: steps of real length (two
+forwards a step with ``--micro-batch 2``), the regime of issue 35."""
+
+
+def membership(out: Path, groups: int, faults=()):
+    """The job's steps as :mod:`gradsync.ft.membership` reads them, and its summary
+    (``faults``: (group, unix time, link-down seconds))."""
+    from gradsync.ft.membership import down_windows, job_steps, summary
+
+    steps = job_steps(str(out), groups)
+    return steps, summary(steps, groups, down_windows(str(out), groups, list(faults)))
+
+
+def kill_times(run: Path) -> list[float]:
+    """When the launcher saw this group's workers fail (its restart records, to the second)."""
+    return [float(f["unix_time"]) for e in restarts(run) for f in e.get("failed", [])
+            if f.get("unix_time")]
 
 
 def step_rows(run: Path) -> list[dict]:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 
+from gradsync.ft.lighthouse import settings_for
 from gradsync.rundir import METRICS, read_metrics
 
 from .helpers import ROOT, TRAIN, env, final_model, max_diff, restarts, run_train, step_rows
@@ -54,8 +55,8 @@ def _lighthouse(port: int) -> subprocess.Popen:
     binary = shutil.which("torchft_lighthouse", path=str(__import__("pathlib").Path(
         sys.executable).parent))
     assert binary, "torchft_lighthouse is installed with torchft"
-    return subprocess.Popen([binary, "--min_replicas", "2", "--join_timeout_ms", "1000",
-                             "--heartbeat_timeout_ms", "1000", "--bind", f"127.0.0.1:{port}"],
+    settings = settings_for(2, 60)  # the cluster form's lighthouse: gradsync lighthouse --print
+    return subprocess.Popen([binary, *settings.argv(f"127.0.0.1:{port}")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -29,6 +29,8 @@ COMMANDS: list[tuple[str, str]] = [
     ("export", "write a run's trained model as safetensors, a torch state dict or hf"),
     ("eval", "score a run's checkpoint on the held-out set, exactly, with the run's workers"),
     ("netlab", "emulated hosts joined by rate-limited links: run, calibrate, check, clean"),
+    ("lighthouse", "torchft's lighthouse for a cluster job of replica groups, its settings "
+                   "derived from the job"),
 ]
 
 

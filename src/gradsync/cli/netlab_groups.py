@@ -14,6 +14,7 @@ import os
 import threading
 
 from ..errors import UsageError
+from ..netlab.groups import flag_value  # noqa: F401 - the one reading of a flag's value
 
 CHAOS_SHARE = 0.6  # faults land in the first 60% of the steps: time to heal before the end
 
@@ -36,17 +37,6 @@ def chaos_counts(spec: str | None) -> tuple[int, int, int]:
         raise UsageError(f"--chaos takes W,H,P (worker kills, host kills, partitions), "
                          f"e.g. 3,1,1; got {spec!r}")
     return tuple(int(p) for p in parts)  # type: ignore[return-value]
-
-
-def flag_value(flags: list[str], name: str, default: str) -> str:
-    """The last value given to ``name`` (argparse's rule: the last one wins)."""
-    value = default
-    for i, a in enumerate(flags):
-        if a == name and i + 1 < len(flags):
-            value = flags[i + 1]
-        elif a.startswith(name + "="):
-            value = a.split("=", 1)[1]
-    return value
 
 
 def run_groups(args, rest: list[str]) -> int:

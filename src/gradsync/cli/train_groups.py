@@ -5,10 +5,11 @@ its own run directory ``OUT/group-i``), handed the config this command resolved 
 its group's index, the lighthouse and its directory filled in -- the object itself,
 never a command line to parse again. So a failure restarts only that group's workers
 (``--max-restarts``, per group), which heal from a live peer at the next quorum;
-the other groups never restart. The lighthouse runs in this process and forms a
-quorum once a strict majority of the groups asks (no two quorums can train side
-by side); ``--ft-min-groups`` is not a flag on purpose: a smaller quorum could
-split the job in two.
+the other groups never restart. The lighthouse runs in this process with the
+settings derived from the run (``ft/lighthouse.py``): a quorum needs a strict
+majority of the groups (no two quorums can train side by side; ``--ft-min-groups``
+is not a flag on purpose: a smaller quorum could split the job in two) and waits
+for every group that heartbeats.
 
 Every group's output is passed through prefixed with its name, and at the end a
 table says, per group, the steps it committed, the steps it redid, the times it
@@ -69,11 +70,19 @@ def _relay(proc: subprocess.Popen, name: str, lock: threading.Lock) -> None:
             sys.stdout.flush()
 
 
-def _wait(procs: list, cfg) -> list[int]:
+def _wait(procs: list, cfg, barrier: str) -> list[int]:
     """Every group's exit code; once one group has finished every step, the others get
-    the grace of ``ft/job_end.py`` and are then stopped."""
-    finished_at = None
+    the grace of ``ft/job_end.py`` and are then stopped. A group whose launcher exited is
+    marked gone in ``barrier``: the finished groups' closing rounds (``ft/closing.py``)
+    do not wait for it."""
+    from ..ft.closing import mark_gone
+
+    finished_at, marked = None, set()
     while any(p.poll() is None for p, _ in procs):
+        for g, (p, _) in enumerate(procs):
+            if p.poll() is not None and g not in marked:
+                marked.add(g)
+                mark_gone(barrier, g)
         if finished_at is None and any(p.poll() == 0 for p, _ in procs):
             finished_at = time.monotonic()
         if finished_at is not None:
@@ -97,12 +106,11 @@ def _wait(procs: list, cfg) -> list[int]:
 
 def run_groups(cfg, argv: list[str]) -> int:
     """Start the lighthouse and the groups, relay their output, wait; 0 if a group finished."""
-    from ..ft.lighthouse import start_lighthouse
-    from ..ft.replica import default_min_groups
+    from ..ft.lighthouse import settings_for, start_lighthouse
     from .train_groups_table import print_table
 
     faults = group_faults(os.environ.get(FAULT_ENV, ""), cfg.ft.groups)
-    light = start_lighthouse(default_min_groups(cfg.ft.groups))
+    light = start_lighthouse(settings_for(cfg.ft.groups, cfg.run.timeout))
     print(f"gradsync train: lighthouse at {light.address} (quorum: at least "
           f"{light.min_groups} of {cfg.ft.groups} groups); {cfg.ft.groups} replica groups of "
           f"{cfg.run.workers} worker{'' if cfg.run.workers == 1 else 's'} in {cfg.run.out}/group-*",
@@ -123,7 +131,7 @@ def run_groups(cfg, argv: list[str]) -> int:
             relay = threading.Thread(target=_relay, args=(proc, f"group {g}", lock), daemon=True)
             relay.start()
             procs.append((proc, relay))
-        codes = _wait(procs, cfg)
+        codes = _wait(procs, cfg, barrier)
     except KeyboardInterrupt:
         for proc, _ in procs:
             proc.terminate()

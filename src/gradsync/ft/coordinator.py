@@ -48,13 +48,16 @@ class QuorumCoordinator:
         self.last_members: list[int] | None = None
         self.why_not = ""  # why the last step did not commit
 
-    def replica_group(self, state_fn, load_fn) -> ReplicaGroup:
+    def replica_group(self, state_fn, load_fn, last_step: int | None = None) -> ReplicaGroup:
         """This rank's :class:`ReplicaGroup`; ``state_fn`` gives what a healing peer
-        receives, ``load_fn`` loads what this group receives."""
+        receives, ``load_fn`` loads what this group receives; ``last_step``: the quorum
+        step that ends the job (a group back after it stops, ``replica.job_over``), or
+        None where the quorum's steps are not the run's (DiLoCo's syncs)."""
         sess = self.sess
         return ReplicaGroup(self.group, self.groups, lighthouse_address(self.lighthouse),
                             sess.rank, sess.world, state_fn, load_fn, sess.start_step,
-                            timeout_s=self.group_timeout, quorum_timeout_s=sess.cfg.run.timeout)
+                            timeout_s=self.group_timeout, quorum_timeout_s=sess.cfg.run.timeout,
+                            last_step=last_step)
 
     @property
     def world_size(self) -> int:
@@ -70,6 +73,9 @@ class QuorumCoordinator:
 
     def observe(self, step, shares, busy) -> None:
         return None  # the quorum deals each step: no speed balancer across groups
+
+    def end(self) -> bool:
+        return False  # the last step's quorum is the end (DiLoCo: its last sync)
 
     def state_dict(self) -> None:
         return None  # a checkpoint's "balance": none across groups

@@ -1,21 +1,25 @@
-"""When a job of replica groups is over, and what to do with the groups still running.
+"""When a job of replica groups is over, seen from the launchers that start groups themselves.
 
-Shared by the two launchers that start groups themselves (``cli/train_groups.py``
-on one machine, ``netlab/groups.py`` on emulated hosts). Once one group has
-finished every step the job is done: a group still running that has not
-committed the last step (it restarted too late to rejoin, and would wait out its
-quorum timeout alone) is stopped after ``LAGGARD_GRACE_S``; one that has is
-writing its summary and report, and gets ``FINISH_GRACE_S``.
+Shared by ``cli/train_groups.py`` (one machine) and ``netlab/groups.py`` (emulated
+hosts). The groups agree on the end among themselves (``closing.py``): the ones
+that finished the last step hold the final model until every group has it or is
+gone, and a group that comes back after that stops on its own in one line. A
+launcher only keeps a bound on it: once a group has exited 0, a group still running
+that holds the final model (it committed the last step or healed into it) is
+writing its summary and report, and gets ``FINISH_GRACE_S``; one that does not
+gets ``LAGGARD_GRACE_S``, time to ask the lighthouse once and learn that the job
+is over (``replica.QUORUM_TRY_S`` and the look at its status page), before it is
+stopped.
 """
 
 from __future__ import annotations
 
 import os
 
-from ..rundir import METRICS, read_metrics
+from ..rundir import METRICS, read_metrics_file
 
-FINISH_GRACE_S = 60.0  # a group that committed the last step: its summary and report
-LAGGARD_GRACE_S = 5.0  # one that did not: it can no longer catch up
+FINISH_GRACE_S = 60.0  # a group that holds the final model: its summary and report
+LAGGARD_GRACE_S = 30.0  # one that does not: time to learn the job is over and stop
 
 
 def group_dir(out: str, group: int) -> str:
@@ -24,9 +28,13 @@ def group_dir(out: str, group: int) -> str:
 
 
 def last_committed(out: str, group: int) -> int:
-    """The last step group ``group`` committed (0: none yet), from its ``metrics.jsonl``."""
-    rows = read_metrics(os.path.join(group_dir(out, group), METRICS))[0]  # never raises
-    return max((int(r["step"]) for r in rows if "loss" in r and "step" in r), default=0)
+    """The last step group ``group`` holds (0: none yet), from its ``metrics.jsonl``: its
+    last committed step, or the job's last step if it healed into it at the end."""
+    m = read_metrics_file(os.path.join(group_dir(out, group), METRICS))  # never raises
+    steps = [int(r["step"]) for r in m.records if "loss" in r and "step" in r]
+    steps += [int(e["step"]) for e in m.events
+              if e.get("event") == "end" and e.get("final") and isinstance(e.get("step"), int)]
+    return max(steps, default=0)
 
 
 def grace_left(out: str, group: int, steps: int, since_finish_s: float) -> float:

@@ -17,7 +17,9 @@ What it does with each step, and knows of torchft:
   (``ft/cross_reduce.py``), whose item count and loss sum are the step's totals;
 * :meth:`QuorumSteps.commit` asks torchft whether every participant got through; if
   not, the step restores the sampler and the next quorum takes the same step on the
-  same samples.
+  same samples;
+* :meth:`QuorumSteps.end`, after the last step: the job's end agreed across the groups
+  (``closing.py``): a group that missed the last step heals into it.
 
 The step's record, the lines said when the quorum changes and summary.json's figures
 are every quorum coordinator's (``coordinator.py``).
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import math
 
+from .closing import close_job
 from .coordinator import QuorumCoordinator, join
 from .cross_reduce import QuorumSums, cross_reduce
 from .local_groups import LocalGroups
@@ -66,7 +69,7 @@ class QuorumSteps(QuorumCoordinator):
             sess.sampler.load_state_dict(state["sampler"])
             sess.skipped[:] = state["skipped"]
 
-        self.replica = self.replica_group(state_fn, load_fn)
+        self.replica = self.replica_group(state_fn, load_fn, last_step=sess.cfg.run.steps)
         join(self.replica, sess)
 
     def begin(self, step: int) -> int:
@@ -105,6 +108,12 @@ class QuorumSteps(QuorumCoordinator):
 
     def end_step(self, step: int, committed: bool) -> None:
         self.announce(committed)
+
+    def end(self) -> bool:
+        """The job's end, agreed across the groups (``closing.py``): a finished group holds
+        the final model until every group has it; True: this group healed into the last
+        step and saves its checkpoint."""
+        return close_job(self.sess, self.replica)
 
     def close(self) -> None:
         if self.replica is not None:

@@ -19,6 +19,23 @@ What a step records (:class:`StepQuorum`): the members whose gradients the
 committed sum holds, how many attempts it took, the seconds lost in failed
 attempts, the seconds the committing attempt waited for its quorum, and
 whether this group healed from a peer at it.
+
+Three moments around the steps, and why each is here:
+
+* **The start** (:meth:`ReplicaGroup.begin`, first call of a fresh job): the groups
+  ask for their first quorum only once every group heartbeats to the lighthouse
+  (``lighthouse_status.py``), so the first quorum holds them all on a cluster as on
+  one machine. At that quorum torchft sends the first group's state to the others
+  (``init_sync``: the engine establishes identical replicas, as DataParallel
+  broadcasts rank 0's); that is the start's sync, not a heal (nobody was behind),
+  and is counted apart (``synced_at_start``).
+* **A left-out or restarted group** asks, waits in the lighthouse, is taken into
+  the next quorum (the lighthouse waits for every group that heartbeats,
+  ``lighthouse.py``) and heals there. When the job has ended while it was away
+  (the lighthouse's last quorum was the job's end and none of its members is alive),
+  :meth:`ReplicaGroup.begin` says so instead of waiting out ``--timeout``.
+* **The end** (``closing.py``): the groups that finished the last step hold the
+  final model until every group has it or has gone.
 """
 
 from __future__ import annotations
@@ -30,20 +47,22 @@ from datetime import timedelta
 
 import torch
 
+from .. import dist as gdist
 from ..errors import GradsyncError, UsageError
+from .addresses import check_addresses
+from .lighthouse import default_min_groups
+from .lighthouse_status import GROUP_ID_PREFIX, LighthouseStatus, fetch_page, parse, read_status
 from .requirement import torchft
 
-GROUP_ID_PREFIX = "gradsync_group_"  # torchft reads the trailing digits as the group's index
 QUORUM_TRY_S = 5.0  # one quorum request's bound; repeated up to --timeout (_join_quorum)
+BARRIER_POLL_S = 0.1  # the start barrier's look at the lighthouse
+
+__all__ = ["GROUP_ID_PREFIX", "QUORUM_TRY_S", "QuorumTimeout", "ReplicaGroup", "StepQuorum",
+           "default_min_groups", "lighthouse_address"]
 
 
 class QuorumTimeout(GradsyncError):
     """No quorum within the run's --timeout (said in one line on every rank)."""
-
-
-def default_min_groups(groups: int) -> int:
-    """The smallest quorum that cannot coexist with another: a strict majority."""
-    return groups // 2 + 1
 
 
 @dataclass
@@ -59,6 +78,7 @@ class StepQuorum:
     healed: bool = False
     members: list[int] = field(default_factory=list)
     sent_bytes: int = 0
+    ended: bool = False  # the job ended while this group was away: no step to take
 
 
 def cross_group_pg(tf, timeout_s: float):
@@ -82,20 +102,25 @@ class ReplicaGroup:
 
     ``state_fn()`` returns this rank's state for a healing peer, ``load_fn(state)``
     loads one received; ``start_step`` is the number of steps already committed
-    (a resumed checkpoint's step), which the quorum compares across groups.
+    (a resumed checkpoint's step), which the quorum compares across groups;
+    ``last_step`` is the job's last step (``--steps``), which tells a group that
+    comes back after the job's end that there is nothing left to join.
     """
 
     def __init__(self, group: int, groups: int, lighthouse: str, rank: int, world: int,
                  state_fn, load_fn, start_step: int, timeout_s: float,
-                 quorum_timeout_s: float):
+                 quorum_timeout_s: float, last_step: int | None = None):
         if not 0 <= group < groups:
             raise UsageError(f"--ft-group must be in [0, {groups}) for --ft-groups {groups}, "
                              f"got {group}")
         tf = torchft()
         self.group, self.groups, self.rank, self.world = group, groups, rank, world
         self.lighthouse, self.quorum_timeout_s = lighthouse, quorum_timeout_s
+        self.last_step = last_step
         self._load_fn = load_fn
         self.healed_now = False
+        self.synced_at_start = False  # received the first group's state at a fresh start
+        check_addresses(lighthouse, os.environ.get("MASTER_ADDR", "localhost"))
         pg = cross_group_pg(tf, timeout_s)
         host, port, self._store_server = attempt_store(rank, quorum_timeout_s)
 
@@ -112,6 +137,8 @@ class ReplicaGroup:
             quorum_timeout=timedelta(seconds=quorum_timeout_s),
             connect_timeout=timedelta(seconds=quorum_timeout_s), init_sync=True)
         self.manager.load_state_dict({"step": int(start_step), "batches_committed": 0})
+        self._fresh = start_step == 0 and not gdist.restart_count()
+        self._started = False
         self._first_try: dict[int, float] = {}
         self._tries: dict[int, int] = {}
         self.current: StepQuorum | None = None
@@ -119,10 +146,16 @@ class ReplicaGroup:
         self.heals = 0
         self.why_not = ""  # why the last step did not commit
         self.last_members: list[int] | None = None
+        self.ended_note = ""  # why this group ends without the final model (job over)
 
     def _load(self, state) -> None:
-        self.healed_now = True
-        self.heals += 1
+        # at a quorum whose highest step is 0 torchft sends the first group's state to
+        # every other (init_sync): the start's sync, nobody was behind, no heal
+        if self.manager.current_step() == 0:
+            self.synced_at_start = True
+        else:
+            self.healed_now = True
+            self.heals += 1
         _device_sync()  # torchft cloned the received tensors on its own stream
         self._load_fn(state)
         _device_sync()
@@ -134,7 +167,8 @@ class ReplicaGroup:
         importing torch would then join a step later and heal, which is correct
         but makes the first steps depend on start-up timing. Each group marks
         itself ready in the launcher's directory and waits (at most ``timeout_s``)
-        for the others' marks.
+        for the others' marks. (The lighthouse barrier of :meth:`begin` does the same
+        on a cluster; on one machine both hold, the second at once.)
         """
         os.makedirs(directory, exist_ok=True)
         open(os.path.join(directory, f"group-{self.group}.rank-{self.rank}"), "w").close()
@@ -143,11 +177,47 @@ class ReplicaGroup:
         while not want <= set(os.listdir(directory)) and time.monotonic() < deadline:
             time.sleep(0.05)
 
+    def start_barrier(self) -> str:
+        """Wait until every group heartbeats to the lighthouse (a fresh job's first quorum
+        then holds them all); what ended the wait, for the tests and the log.
+
+        The lighthouse waits for every group that heartbeats (``lighthouse.py``), but a
+        group whose workers are still starting does not heartbeat yet, and the first
+        majority to ask would start without it: it would join a step later and heal.
+        A group that finds a quorum already formed is a replacement in a running job
+        and does not wait. A page this reader does not know ends the wait (the quorum
+        is still correct, only not complete at the start); so does ``--timeout``.
+        """
+        deadline = time.monotonic() + self.quorum_timeout_s
+        want = set(range(self.groups))
+        while time.monotonic() < deadline:
+            page = fetch_page(self.lighthouse)
+            if page is not None:
+                status = parse(page)
+                if status is None:
+                    return "unknown status page"
+                if status.quorum_id > 0:
+                    return "job running"
+                if want <= status.alive_groups():
+                    return "all groups alive"
+            time.sleep(BARRIER_POLL_S)
+        return "timeout"
+
     def begin(self) -> StepQuorum:
-        """Join this step's quorum (healing first if behind); the step to take, 1-based."""
+        """Join this step's quorum (healing first if behind); the step to take, 1-based.
+
+        A step past ``last_step`` with ``ended`` set: the job ended while this group was
+        away (``ended_note`` says so); the loop stops there."""
+        if not self._started:
+            self._started = True
+            if self._fresh:
+                self.start_barrier()
         t0 = time.perf_counter()
         self.healed_now = False
-        self._join_quorum(t0)
+        if not self._join_quorum(t0):
+            self.current = StepQuorum(step=(self.last_step or 0) + 1, size=0, position=0,
+                                      quorum_s=time.perf_counter() - t0, ended=True)
+            return self.current
         position = self.manager.participating_rank()
         size = self.manager.num_participants()
         if position is None:
@@ -161,8 +231,9 @@ class ReplicaGroup:
                                   quorum_s=time.perf_counter() - t0, healed=self.healed_now)
         return self.current
 
-    def _join_quorum(self, t0: float) -> None:
-        """``start_quorum``, asked again every ``QUORUM_TRY_S`` until ``quorum_timeout_s``.
+    def _join_quorum(self, t0: float) -> bool:
+        """``start_quorum``, asked again every ``QUORUM_TRY_S`` until ``quorum_timeout_s``;
+        False: the job has ended without this group (:meth:`job_over`).
 
         torchft's quorum request does not survive the lighthouse's death: the request
         in flight waits out its timeout even when a new lighthouse is up on the same
@@ -174,16 +245,26 @@ class ReplicaGroup:
             try:
                 self.manager.start_quorum(allow_heal=True,
                                           timeout=timedelta(seconds=QUORUM_TRY_S))
-                return
+                return True
             except (TimeoutError, RuntimeError) as e:
                 self.manager._quorum_future = None  # torchft re-raises a failed request
+                status = read_status(self.lighthouse)
+                note = self.job_over(status)
+                if note:
+                    self.ended_note = note
+                    return False
                 waited = time.perf_counter() - t0
                 if waited + QUORUM_TRY_S > self.quorum_timeout_s:
+                    said = f"; the lighthouse says: {status.next_status[:160]}" if status else ""
                     raise QuorumTimeout(
                         f"replica group {self.group}: no quorum in {waited:.0f} s (--timeout "
                         f"{self.quorum_timeout_s:.0f}): the lighthouse at {self.lighthouse} is "
                         f"unreachable, or fewer groups than its --min_replicas are alive "
-                        f"({type(e).__name__}: {str(e)[:120]})") from None
+                        f"({type(e).__name__}: {str(e)[:120]}){said}") from None
+
+    def job_over(self, status: LighthouseStatus | None) -> str:
+        """:func:`job_over` for this group."""
+        return job_over(status, self.last_step, self.group, self.manager.current_step())
 
     def commit(self) -> bool:
         """Whether every group of the quorum got through this step (torchft decides);
@@ -202,6 +283,22 @@ class ReplicaGroup:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def job_over(status: LighthouseStatus | None, last_step: int | None, group: int,
+             step: int) -> str:
+    """Why the job is over for ``group`` (at ``step``), or "": the lighthouse's last quorum
+    was the job's end (its members had committed ``last_step``: ``closing.py``) and none
+    of them heartbeats any more, so no group that holds the final model is left."""
+    if status is None or last_step is None or not status.members:
+        return ""
+    if min(status.members.values()) < last_step or status.members_alive():
+        return ""
+    names = ", ".join(map(str, sorted(status.member_groups())))
+    return (f"replica group {group}: the job ended (step {last_step}, groups {names}) while "
+            f"this group was away; no group that holds the final model is left to send it, so "
+            f"this group stops at its step {step}; the final model is in those groups' run "
+            f"directories")
 
 
 def attempt_store(rank: int, timeout_s: float):

@@ -38,8 +38,18 @@ from .links import IFACE, sh
 from .processes import terminate
 
 LIGHTHOUSE_PORT = 29510
-HEARTBEAT_MS = 1000  # the lighthouse drops a silent group after 1 s (ft/lighthouse.py)
-JOIN_MS = 1000
+DEFAULT_TIMEOUT_S = 300.0  # gradsync train's --timeout when the job's flags leave it out
+
+
+def flag_value(flags: list[str], name: str, default: str) -> str:
+    """The last value given to ``name`` in ``flags`` (argparse's rule: the last one wins)."""
+    value = default
+    for i, a in enumerate(flags):
+        if a == name and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 def uts_argv(addr: str, argv: list[str]) -> list[str]:
@@ -95,10 +105,14 @@ class GroupsLab:
         return self
 
     def start_lighthouse(self) -> None:
+        """torchft's own binary, with the settings derived from the run (``ft/lighthouse.py``),
+        as ``gradsync lighthouse --print`` gives them for a cluster."""
+        from ..ft.lighthouse import settings_for
+
         host = self.lab.hosts[self.groups]
-        argv = [lighthouse_binary(), "--min_replicas", str(self.groups // 2 + 1),
-                "--bind", f"{host.addr}:{LIGHTHOUSE_PORT}", "--join_timeout_ms", str(JOIN_MS),
-                "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", str(HEARTBEAT_MS)]
+        timeout = float(flag_value(self.train_args, "--timeout", str(DEFAULT_TIMEOUT_S)))
+        settings = settings_for(self.groups, timeout)
+        argv = [lighthouse_binary(), *settings.argv(f"{host.addr}:{LIGHTHOUSE_PORT}")]
         self.lighthouse = self._popen(self.groups, argv, "lighthouse")
 
     def group_argv(self, g: int) -> list[str]:

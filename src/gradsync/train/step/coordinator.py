@@ -67,6 +67,11 @@ class StepCoordinator(Protocol):
     def end_step(self, step: int, committed: bool) -> None:
         """After the step, committed or not (a quorum's announcements, a group's sync)."""
 
+    def end(self) -> bool:
+        """After the loop's last step: the run's end, agreed with whoever else takes part
+        (across replica groups, ``ft/closing.py``); True when this rank received the last
+        step's state there and must save its checkpoint."""
+
     def state_dict(self) -> dict | None:
         """What a checkpoint keeps of it (``"balance"``)."""
 
@@ -145,6 +150,9 @@ class LocalSteps:
 
     def end_step(self, step, committed) -> None:
         pass
+
+    def end(self) -> bool:
+        return False  # nobody else: the last step is the end
 
     def state_dict(self):
         return None if self.balancer is None else self.balancer.state_dict()

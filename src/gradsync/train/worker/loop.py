@@ -9,8 +9,9 @@ guarded against NaN, and :func:`finish` (``records/summary.py``) ends the run
 the drift check, checkpoints, a fault injector's clean stop, and rank 0's callbacks
 (``records/callbacks.py``). Who takes part in each step is the session's step
 coordinator (``step/coordinator.py``, chosen once in setup): the loop asks it which step
-comes next and tells it when a step ended, committed or not, and knows nothing else of
-replica groups.
+comes next, tells it when a step ended, committed or not, and after the last step asks
+it for the run's end (across replica groups, agreed with the other groups), and knows
+nothing else of replica groups.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ def train_session(sess: Session, callbacks=None) -> dict | None:
                 if sess.display:
                     sess.display.say(f"gradsync train: early stop: {sess.watch.stop_line()}")
                 break
+        if steps.end():  # across groups, the job's end (ft/closing.py); True: this group
+            save(sess, cfg.run.steps)  # healed into the last step: its checkpoint
+            sess.last_checkpoint = cfg.run.steps
     return finish(sess)
 
 
