@@ -7,15 +7,21 @@ import os
 from rich.console import Console
 from rich.table import Table
 
-from ..rundir import METRICS, read_metrics
+from ..rundir import METRICS, read_metrics_file
 
 
 def group_figures(path: str) -> dict:
-    """Committed steps, redone steps, heals and seconds lost, from one group's metrics."""
-    rows = [r for r in read_metrics(path)[0] if isinstance(r.get("step"), int) and "loss" in r]
-    return {"steps": len(rows), "last": max((r["step"] for r in rows), default=0),
+    """Committed steps, redone steps, heals and seconds lost, from one group's metrics; a
+    group that healed into the job's end (``ft/closing.py``) holds its last step too."""
+    m = read_metrics_file(path)
+    rows = [r for r in m.records if isinstance(r.get("step"), int) and "loss" in r]
+    ends = [e for e in m.events if e.get("event") == "end" and isinstance(e.get("step"), int)]
+    last = max([r["step"] for r in rows] + [e["step"] for e in ends if e.get("final")],
+               default=0)
+    return {"steps": len(rows), "last": last,
             "redone": sum(1 for r in rows if (r.get("attempts") or 1) > 1),
-            "healed": sum(1 for r in rows if r.get("healed")),
+            "healed": sum(1 for r in rows if r.get("healed")) + sum(
+                1 for e in ends if e.get("healed")),
             "lost_s": sum((r.get("lost_s") or 0.0) for r in rows)}
 
 

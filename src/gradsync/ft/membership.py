@@ -15,14 +15,18 @@ tests, the soak and ``benchmarks/fault_tolerance.py``:
 * :func:`left_out`: the groups missing from a step although no fault of theirs
   covers the step's start: a live group left out, which the quorum must never do.
 
-A group's rows after its checkpoint are cut when it resumes, so each step is read
-from every group that recorded it. Steps whose members' rows disagree (which a
-split brain would cause) are reported as such (``disagree``).
+A group's rows after its checkpoint are cut when it resumes (its launcher keeps
+the run's metrics consistent with the checkpoint it continues from), so each step
+is read from every group that recorded it, and a long run with many restarts is
+read while it runs by a :class:`Watcher`, which keeps every row it ever saw.
+Steps whose members' rows disagree (which a split brain would cause) are reported
+as such (``disagree``).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 
 from ..rundir import METRICS, read_metrics_file
@@ -67,15 +71,59 @@ def read_groups(out: str, groups: int) -> list[GroupRows]:
     return got
 
 
+class Watcher:
+    """Reads the groups' metrics every ``every_s`` seconds in a thread and keeps every row
+    and end event it saw, including those a resuming group later cuts."""
+
+    def __init__(self, out: str, groups: int, every_s: float = 1.0):
+        self.out, self.groups, self.every_s = out, groups, every_s
+        self._seen: list[dict[tuple, dict]] = [{} for _ in range(groups)]
+        self._ends: list[dict[tuple, dict]] = [{} for _ in range(groups)]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Watcher:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.poll()
+
+    def poll(self) -> None:
+        for g, gr in enumerate(read_groups(self.out, self.groups)):
+            for r in gr.rows:
+                self._seen[g].setdefault((r["step"], r["unix_time"]), r)
+            for e in gr.ends:
+                self._ends[g].setdefault((e.get("step"), e.get("rounds")), e)
+
+    def stop(self) -> list[GroupRows]:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.poll()
+        return self.rows()
+
+    def rows(self) -> list[GroupRows]:
+        return [GroupRows(sorted(self._seen[g].values(), key=lambda r: r["unix_time"]),
+                          list(self._ends[g].values())) for g in range(self.groups)]
+
+
 def _began(r: dict) -> float:
     """When the group's ``begin`` for this row's step started (it asked for the quorum)."""
     return r["unix_time"] - (r.get("step_time_s") or 0.0) - (r.get("quorum_s") or 0.0)
 
 
-def job_steps(out: str, groups: int) -> list[StepMembers]:
+def _rows(source, groups: int) -> list[GroupRows]:
+    """``source``: a job's ``--out`` (read now), or rows a :class:`Watcher` kept."""
+    if isinstance(source, (str, os.PathLike)):
+        return read_groups(os.fspath(source), groups)
+    return source
+
+
+def job_steps(source, groups: int) -> list[StepMembers]:
     """Every step some group committed, in order, with its quorum and heals."""
     by_step: dict[int, StepMembers] = {}
-    for g, gr in enumerate(read_groups(out, groups)):
+    for g, gr in enumerate(_rows(source, groups)):
         for r in gr.rows:
             s = by_step.get(r["step"])
             start = r["unix_time"] - (r.get("step_time_s") or 0.0)
@@ -90,17 +138,17 @@ def job_steps(out: str, groups: int) -> list[StepMembers]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-def end_heals(out: str, groups: int) -> list[int]:
+def end_heals(source, groups: int) -> list[int]:
     """Groups that healed into the job's end (``closing.py``)."""
-    return [g for g, gr in enumerate(read_groups(out, groups))
+    return [g for g, gr in enumerate(_rows(source, groups))
             if any(e.get("healed") for e in gr.ends)]
 
 
-def down_windows(out: str, groups: int, faults: list[tuple[int, float, float]]) -> list[Window]:
+def down_windows(source, groups: int, faults: list[tuple[int, float, float]]) -> list[Window]:
     """``faults``: (group, unix time it fired, seconds its link stays down or 0). Each
     fault's window ends when its group next asked for a quorum (its first committed row
     after the fault), not before the link was back; open if it never did."""
-    rows = read_groups(out, groups)
+    rows = _rows(source, groups)
     out_w = []
     for g, fired, link_down_s in faults:
         after = [_began(r) for r in rows[g].rows if _began(r) > fired]

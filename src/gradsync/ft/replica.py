@@ -56,6 +56,7 @@ from .requirement import torchft
 
 QUORUM_TRY_S = 5.0  # one quorum request's bound; repeated up to --timeout (_join_quorum)
 BARRIER_POLL_S = 0.1  # the start barrier's look at the lighthouse
+REACH_POLL_S = 0.2  # after a failure, how often to see whether the lighthouse answers
 
 __all__ = ["GROUP_ID_PREFIX", "QUORUM_TRY_S", "QuorumTimeout", "ReplicaGroup", "StepQuorum",
            "default_min_groups", "lighthouse_address"]
@@ -138,6 +139,7 @@ class ReplicaGroup:
             connect_timeout=timedelta(seconds=quorum_timeout_s), init_sync=True)
         self.manager.load_state_dict({"step": int(start_step), "batches_committed": 0})
         self._fresh = start_step == 0 and not gdist.restart_count()
+        self._suspect = False  # after a failure: ask only once the lighthouse answers
         self._started = False
         self._first_try: dict[int, float] = {}
         self._tries: dict[int, int] = {}
@@ -242,12 +244,16 @@ class ReplicaGroup:
         by the run's ``--timeout``, after which the error says what was waited for.
         """
         while True:
+            if self._suspect:
+                self._await_lighthouse(t0)
             try:
                 self.manager.start_quorum(allow_heal=True,
                                           timeout=timedelta(seconds=QUORUM_TRY_S))
+                self._suspect = False
                 return True
             except (TimeoutError, RuntimeError) as e:
                 self.manager._quorum_future = None  # torchft re-raises a failed request
+                self._suspect = True
                 status = read_status(self.lighthouse)
                 note = self.job_over(status)
                 if note:
@@ -262,6 +268,21 @@ class ReplicaGroup:
                         f"unreachable, or fewer groups than its --min_replicas are alive "
                         f"({type(e).__name__}: {str(e)[:120]}){said}") from None
 
+    def _await_lighthouse(self, t0: float) -> None:
+        """After a failure, ask only once the lighthouse answers (at most ``--timeout``).
+
+        A request sent while the lighthouse is out of reach (this group's link down, the
+        lighthouse restarting) is lost without an answer: torchft's manager does not
+        pass the error on, and the request waits out its ``QUORUM_TRY_S``. A group cut
+        off by a partition then asked again up to 5 s after its link was back and missed
+        a step it could have joined (measured on netlab: back at +0.0 s, asked at
+        +4.1 s). Its status page answers within milliseconds once reachable.
+        """
+        while time.perf_counter() - t0 < self.quorum_timeout_s:
+            if fetch_page(self.lighthouse, timeout_s=1.0) is not None:
+                return
+            time.sleep(REACH_POLL_S)
+
     def job_over(self, status: LighthouseStatus | None) -> str:
         """:func:`job_over` for this group."""
         return job_over(status, self.last_step, self.group, self.manager.current_step())
@@ -273,6 +294,7 @@ class ReplicaGroup:
         ok = bool(self.manager.should_commit())
         if not ok:
             self.failed_attempts += 1
+            self._suspect = True  # a peer or a link failed: is the lighthouse in reach?
             cause = getattr(err, "original_exception", err) if err else None
             self.why_not = (str(cause).split(". ")[0][:160] if cause else
                             "another group of the quorum failed")

@@ -59,6 +59,12 @@ class Fired:
     job_step: int
     done: bool = True
     note: str = ""
+    unix: float = 0.0  # when it fired (time.time()), to match the groups' metrics
+
+    def window(self) -> tuple[int, float, float]:
+        """(group, unix time, seconds its link stays down) for ``ft.membership``."""
+        return (self.fault.group, self.unix,
+                self.fault.seconds if self.fault.kind == "partition" else 0.0)
 
 
 def plan(seed: int, groups: int, first_step: int, last_step: int, *, workers: int = 0,
@@ -122,7 +128,7 @@ def unleash(lab, faults: list[Fault], stop: threading.Event | None = None,
                 break
             job = _job_step(lab)
             mark = {g: lab.last_committed(g) for g in range(lab.groups)}
-            fired.append(Fired(f, round(time.monotonic() - t0, 3), job))
+            fired.append(Fired(f, round(time.monotonic() - t0, 3), job, unix=time.time()))
             fired[-1].done, fired[-1].note = _fire(lab, f, timers)
     finally:
         for t in timers:  # a link still down, a host still to replace: do it now
