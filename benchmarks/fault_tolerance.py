@@ -208,7 +208,7 @@ def run_job(method: str, per_minute: float, args, out: Path) -> dict:
             "pause_s": pauses, "back_s": backs, "training_again_s": training,
             "never_back": never, "step_s": step_s, "fired_s": [round(k - start, 2) for k in kills],
             "state_bytes": ckpt.stat().st_size if ckpt.exists() else None,
-            "membership": members}
+            "membership": members, "load_at_end": os.getloadavg()[0]}
 
 
 def _spread(xs: list[float]) -> str:
@@ -274,7 +274,9 @@ def main(argv=None) -> int:
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     console = Console(width=220, record=True)
     console.print(render(results, args))
-    console.print(f"{meta['command']} at {commit}, {meta['date']}, load {meta['load_average_end']}")
+    loads = [r["load_at_end"] for r in results]
+    console.print(f"{meta['command']} at {commit}, {meta['date']}, load average at each job's end "
+                  f"{min(loads):.1f}-{max(loads):.1f}")
     (out / "table.txt").write_text(console.export_text())
     return 0
 

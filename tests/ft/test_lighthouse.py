@@ -20,8 +20,6 @@ that heartbeat every 100 ms, as a group's manager does:
 from __future__ import annotations
 
 import shlex
-import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -168,11 +166,12 @@ def test_the_status_page_and_the_job_over_decision():
     assert parse("<html>something else</html>") is None
 
 
-def test_gradsync_lighthouse_prints_the_derived_command():
-    r = subprocess.run([sys.executable, "-m", "gradsync", "lighthouse", "--ft-groups", "5",
-                        "--timeout", "120", "--print"], capture_output=True, text=True,
-                       timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert shlex.split(r.stdout) == [
+def test_gradsync_lighthouse_prints_the_derived_command(capsys):
+    from gradsync.cli import main
+
+    assert main(["lighthouse", "--ft-groups", "5", "--timeout", "120", "--print"]) == 0
+    assert shlex.split(capsys.readouterr().out) == [
         "torchft_lighthouse", "--min_replicas", "3", "--join_timeout_ms", "120000",
         "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "50", "--bind", "[::]:29510"]
+    assert main(["lighthouse", "--ft-groups", "3", "--bind", "nowhere"]) == 2
+    assert "--bind takes HOST:PORT" in capsys.readouterr().err

@@ -187,7 +187,8 @@ class ReplicaGroup:
         group whose workers are still starting does not heartbeat yet, and the first
         majority to ask would start without it: it would join a step later and heal.
         A group that finds a quorum already formed is a replacement in a running job
-        and does not wait. A page this reader does not know ends the wait (the quorum
+        and does not wait (a last quorum whose members are all gone is an earlier job's,
+        on a lighthouse used again). A page this reader does not know ends the wait (the quorum
         is still correct, only not complete at the start); so does ``--timeout``.
         """
         deadline = time.monotonic() + self.quorum_timeout_s
@@ -198,8 +199,8 @@ class ReplicaGroup:
                 status = parse(page)
                 if status is None:
                     return "unknown status page"
-                if status.quorum_id > 0:
-                    return "job running"
+                if status.quorum_id > 0 and status.members_alive():
+                    return "job running"  # a replacement: the others are training
                 if want <= status.alive_groups():
                     return "all groups alive"
             time.sleep(BARRIER_POLL_S)
@@ -284,7 +285,11 @@ class ReplicaGroup:
             time.sleep(REACH_POLL_S)
 
     def job_over(self, status: LighthouseStatus | None) -> str:
-        """:func:`job_over` for this group."""
+        """:func:`job_over` for this group; never for a group of a fresh job, which has no
+        part in any quorum the lighthouse remembers (one used again for a new job still
+        shows the last job's end)."""
+        if self._fresh:
+            return ""
         return job_over(status, self.last_step, self.group, self.manager.current_step())
 
     def commit(self) -> bool:
