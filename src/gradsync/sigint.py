@@ -42,3 +42,48 @@ def held():
 def pending() -> bool:
     """Whether a SIGINT is waiting, held back by a block (this thread's or the process's)."""
     return signal.SIGINT in signal.sigpending()
+
+
+# ------------------------------------------------------------------ a worker's stop
+# A worker is stopped by more than one signal: a terminal's Ctrl-C reaches every
+# process of the group (the worker, and the launcher whose elastic agent then sends
+# the workers SIGINT again), and the agent stops the survivors of a failure with
+# SIGTERM. The first raises KeyboardInterrupt, which unwinds the worker through its
+# clean-up (the session's close: the trackers' own close, the lock). A second one
+# raised there cut that clean-up short: W&B's run lost its last records and its
+# exit, MLflow's stayed RUNNING (issue 37). So once a worker is stopping, further
+# SIGINT/SIGTERM are noted and not raised; the agent still ends a worker that takes
+# longer than its shutdown timeout (30 s) with SIGKILL.
+
+_stop = {"stopping": False, "signal": None}
+
+
+def _stop_handler(signum, frame) -> None:
+    if _stop["stopping"]:
+        return  # the stop is under way: the clean-up it runs must not be cut short
+    _stop["stopping"], _stop["signal"] = True, signum
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def interrupt_once() -> dict:
+    """SIGINT and SIGTERM raise KeyboardInterrupt once; later ones, while the process is
+    stopping, are noted only. Returns the handlers it replaced (main thread only)."""
+    _stop.update(stopping=False, signal=None)
+    return {s: signal.signal(s, _stop_handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+@contextlib.contextmanager
+def stopping():
+    """The body is the process's clean-up: a SIGINT/SIGTERM meanwhile (with
+    :func:`interrupt_once`'s handlers) is noted, not raised into it."""
+    before = _stop["stopping"]
+    _stop["stopping"] = True
+    try:
+        yield
+    finally:
+        _stop["stopping"] = before
+
+
+def stop_signal() -> int | None:
+    """The signal that stopped this process (set by :func:`interrupt_once`'s handler)."""
+    return _stop["signal"]

@@ -20,11 +20,13 @@ import contextlib
 import signal
 import time
 
+from ... import sigint
 from ...observe import host_reads
 from ..checkpoint.state import save
 from ..config.resolve import RunConfig
 from ..records.callbacks import Callbacks
 from ..records.summary import finish
+from ..records.trackers.base import FAILED, KILLED, Outcome
 from ..step.monitor import Verdict
 from ..step.train_step import run_step
 from .faults import FaultInjector
@@ -48,6 +50,8 @@ def _between_steps(sess: Session, step: int, verdict: Verdict) -> bool:
     if last or stop or verdict.best or (every and step % every == 0):
         save(sess, step)
         sess.last_checkpoint = step
+        if sess.trackers:  # the steps a resume would not compute again: final for W&B, MLflow
+            sess.trackers.committed(step)
     return stop
 
 
@@ -89,6 +93,9 @@ def train_session(sess: Session, callbacks=None) -> dict | None:
         if steps.end():  # across groups, the job's end (ft/closing.py); True: this group
             save(sess, cfg.run.steps)  # healed into the last step: its checkpoint
             sess.last_checkpoint = cfg.run.steps
+            if sess.trackers:  # the steps a resume would not compute again
+                sess.trackers.committed(cfg.run.steps)
+    sess.finished = True
     return finish(sess)
 
 
@@ -106,16 +113,27 @@ def run_worker(cfg: RunConfig, model_fn=None, data_fn=None, faults: FaultInjecto
     config records (``launcher/api.take_factories``); ``callbacks``: run on rank 0
     (``records/callbacks.py``).
     """
-    previous = signal.getsignal(signal.SIGTERM)  # setup makes SIGTERM unwind like Ctrl-C
+    # SIGINT and SIGTERM (the launcher's stop) unwind like Ctrl-C, once: the clean-up they
+    # start (the trackers' close above all) is not cut short by the next (gradsync.sigint)
+    previous = sigint.interrupt_once()
     try:
         sess = setup(cfg, model_fn, data_fn, faults, prepared, factories)
         if sess is None:  # already finished: nothing to do, nothing written
             return None
+        outcome = None  # finished, or (a clean stop) killed: the session knows
         try:
             return train_session(sess, callbacks)
+        except KeyboardInterrupt:
+            outcome = Outcome(KILLED, sigint.stop_signal() or signal.SIGINT)
+            raise
+        except BaseException:
+            outcome = Outcome(FAILED)
+            raise
         finally:
-            sess.close()
+            with sigint.stopping():
+                sess.close(outcome)
     finally:
         # Not past the loop: a SIGTERM during interpreter exit raised KeyboardInterrupt
         # inside an atexit callback ("Exception ignored in atexit callback").
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -21,6 +21,8 @@ from ..config.plan import RunPlan
 from ..config.resolve import RunConfig
 from ..records.instrument import Instruments
 from ..records.progress import RunDisplay
+from ..records.trackers.base import FINISHED, KILLED, Outcome
+from ..records.trackers.fanout import TrackedWriter
 from ..step.coordinator import StepCoordinator
 from ..step.monitor import Watch
 from ..step.straggler import Slowdown
@@ -66,12 +68,17 @@ class Session:
     watch: Watch = field(default_factory=Watch)  # --keep-best, --early-stop (step/monitor)
     kept: Kept = field(default_factory=Kept)  # --keep-last (checkpoint/kept.py)
     batches: StepBatches | None = None  # the step's micro-batches, --loader-workers (task/loader)
+    trackers: TrackedWriter | None = None  # --log (rank 0): also sess.writer
+    finished: bool = False  # the run reached its end (the summary was written)
 
     @property
     def unit(self) -> str:
         return self.task.data.item_name or "samples"
 
-    def close(self) -> None:
+    def close(self, outcome: Outcome | None = None) -> None:
+        """Let go of everything, the trackers marked with how the attempt ended (by default:
+        finished if it reached its end, else killed, as a clean stop is)."""
+        outcome = outcome or Outcome(FINISHED if self.finished else KILLED)
         if self.coordinator is not None:
             self.coordinator.close()
         self.inst.close()
@@ -79,7 +86,9 @@ class Session:
             self.slowdown.close()
         if self.batches is not None:
             self.batches.close()
-        if self.writer:
+        if self.trackers:
+            self.trackers.close(outcome)
+        elif self.writer:
             self.writer.close()
         if self.lock:
             self.lock.release()

@@ -13,7 +13,6 @@ checkpoint.
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import torch
@@ -53,15 +52,6 @@ from .faults import FaultInjector
 from .session import Session
 
 
-def _interrupt_on_sigterm() -> None:
-    """The launcher stops workers with SIGTERM; unwind like Ctrl-C so cleanup runs."""
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 def _reset_files(cfg: RunConfig, plan: RunPlan) -> tuple[int | None, list[str]]:
     """Rank 0: cut metrics back to the checkpoint's step, without damaged lines; a finished
     mark no longer holds. Returns (the last step metrics held before, notes on lines dropped)."""
@@ -99,7 +89,6 @@ def setup(cfg: RunConfig, model_fn=None, data_fn=None, faults: FaultInjector | N
     started = time.perf_counter()
     info = gdist.info()
     rank, world = info.rank, info.world_size
-    _interrupt_on_sigterm()
     faults = faults or FaultInjector()
     faults.attempt = gdist.restart_count()  # a fault fires in one attempt, not in every restart
     task = build_task(cfg, model_fn, data_fn, factories)
@@ -177,7 +166,6 @@ def _open_rank0(sess: Session) -> None:
     if cfg.observe.log:  # --log: the same records through each tracker too (records/trackers/)
         from ..records.trackers.fanout import open_trackers
 
-        sess.writer = open_trackers(sess.writer, {**cfg.record(plan.schedule_steps),
-                                                  "world_size": sess.world},
-                                    plan.action == "resume", sess.start_step, reached,
-                                    plan.run_id, sess.display.say)
+        sess.writer = sess.trackers = open_trackers(
+            sess.writer, {**cfg.record(plan.schedule_steps), "world_size": sess.world},
+            plan.action == "resume", sess.start_step, plan.run_id, sess.display.say)

@@ -1,20 +1,28 @@
-"""What every tracker is given when it opens, and what it is sent for each step.
+"""What every tracker is given when it opens, what it is sent, and how an attempt ends.
 
 A tracker is opened on rank 0 once per attempt (a fresh start, a resume, a
-restart) with a :class:`Start`, and holds ``through``: the last step it already
-has. The fan-out sends it the checkpoint's steps it lacks (from ``metrics.jsonl``)
-and then every new step after ``through``, so each tracker ends up with every
-step of the run once, however many attempts it took:
+restart) with a :class:`Start`. It then *reads back* what it holds of this run
+(``through``: its last step), from its own files, rather than assuming it: an
+earlier attempt may have been stopped before its writer flushed, or killed. The
+fan-out sends it the checkpoint's steps it lacks (from ``metrics.jsonl``) and then
+every new step after ``through``, so each tracker ends up with every step of the run
+once, however many attempts it took.
 
-* TensorBoard hides what an earlier attempt logged after the checkpoint
-  (``purge_step``) and so holds the checkpoint's steps; CSV is rewritten from
-  ``metrics.jsonl`` (already cut back to the checkpoint) on every open;
-* W&B and MLflow histories cannot be cut back, so the resumed run (the same run
-  id, kept in ``trackers.json``) holds what the earlier attempt logged, up to the
-  last step ``metrics.jsonl`` held before it was cut back (``reached``); the steps
-  between the checkpoint and ``reached`` are computed again and not sent twice.
-  A run of the default even split is bit-reproducible, so those steps' values are
-  the same; with ``--balance auto`` they agree to float rounding.
+Two kinds, by whether their history can be cut back (``cuts_back``):
+
+* TensorBoard (``purge_step`` hides what an earlier attempt logged after the
+  checkpoint) and CSV (rewritten from ``metrics.jsonl``, already cut back to the
+  checkpoint) get each step as it is written;
+* W&B and MLflow histories cannot be cut back, so they get a step only once a
+  checkpoint holds it (or the run has finished): a step after the last checkpoint
+  is computed again by the resume, and the tracker must not already hold the
+  first computation of it (its loss would agree, its timings would not). Their
+  dashboards are therefore up to ``--checkpoint-every`` steps behind.
+
+Every attempt ends with :meth:`Tracker.close` and an :class:`Outcome`: finished,
+killed (Ctrl-C, SIGTERM, a clean stop) or failed (a worker failure). An attempt
+that began a new W&B or MLflow run and sent it no step removes that run: a Ctrl-C
+during start-up must leave nothing for ``wandb sync`` to upload as an extra run.
 """
 
 from __future__ import annotations
@@ -23,6 +31,26 @@ import math
 from dataclasses import dataclass, field
 
 SKIP_KEYS = ("step", "unix_time")  # the x axis and the wall clock, not metrics
+HELD_KEY = "items"
+"""A number every step record has: each tracker writes it last of a step, so a step
+whose ``items`` a tracker holds is whole there (what reading back looks for)."""
+
+FINISHED, KILLED, FAILED = "finished", "killed", "failed"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How an attempt ended, as the trackers record it."""
+
+    status: str = FINISHED  # finished | killed | failed
+    signal: int | None = None  # killed: the signal that stopped it, if one did
+
+    @property
+    def exit_code(self) -> int:
+        """A process's exit code for it: 0, 128 + the signal (130 for Ctrl-C), or 1."""
+        if self.status == FINISHED:
+            return 0
+        return 128 + (self.signal or 2) if self.status == KILLED else 1
 
 
 @dataclass
@@ -31,11 +59,11 @@ class Start:
 
     out: str  # the run directory
     step: int  # the checkpoint's step this attempt continues from (0: a fresh start)
-    reached: int  # the last step an earlier attempt recorded (>= step; 0 when fresh)
+    resumed: bool  # False: a fresh start, whose trackers begin new runs
     config: dict  # config.json's fields
     name: str  # the run's name: its directory's
     run_id: str  # gradsync's run id (checkpoint unit), a tag in W&B and MLflow
-    saved: dict | None = None  # this tracker's entry of trackers.json (None: new to this run)
+    saved: dict | None = None  # this tracker's entry of trackers.json (None: none there)
     history: list[dict] = field(default_factory=list)  # metrics.jsonl's steps <= step
 
 
@@ -43,27 +71,36 @@ class Tracker:
     """A tracker: ``log`` each step's scalars, ``close`` once (never raising on purpose)."""
 
     name = ""
-    through = 0  # the last step this tracker already holds
+    cuts_back = True  # False: sent only steps a checkpoint holds (see the module doc)
+    through = 0  # the last step this tracker holds (read back when it opened)
+    sent = 0  # steps this attempt sent it
     state: dict = {}  # what trackers.json keeps for the next attempt (a run id)
 
     def log(self, step: int, values: dict[str, float], record: dict) -> None:
         raise NotImplementedError
 
-    def close(self, finished: bool) -> None:
+    def commit(self, step: int) -> None:
+        """A checkpoint now holds every step up to ``step`` (a writer may flush here)."""
+
+    def close(self, outcome: Outcome) -> None:
         raise NotImplementedError
 
 
 def scalars(record: dict) -> dict[str, float]:
     """The record's finite numbers, by their metrics.jsonl names (a dict of numbers, such
-    as ``eval_metrics``, as ``eval_metrics/NAME``). Lists (per-rank figures), flags and
-    missing values stay in metrics.jsonl only; a NaN loss is recorded there as null."""
+    as ``eval_metrics``, as ``eval_metrics/NAME``), :data:`HELD_KEY` last. Lists
+    (per-rank figures), flags and missing values stay in metrics.jsonl only; a NaN loss
+    is recorded there as null."""
     out: dict[str, float] = {}
     for key, value in record.items():
-        if key in SKIP_KEYS:
+        if key in SKIP_KEYS or key == HELD_KEY:
             continue
         items = value.items() if isinstance(value, dict) else ((None, value),)
         for sub, v in items:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 continue
             out[key if sub is None else f"{key}/{sub}"] = v
+    held = record.get(HELD_KEY)
+    if isinstance(held, (int, float)) and not isinstance(held, bool) and math.isfinite(held):
+        out[HELD_KEY] = held
     return out

@@ -16,7 +16,7 @@ import os
 from dataclasses import fields
 
 from ....rundir import METRICS, METRICS_CSV, StepRecord, read_metrics, write_text
-from .base import SKIP_KEYS, Start, Tracker, scalars
+from .base import SKIP_KEYS, Outcome, Start, Tracker, scalars
 
 
 def _record_columns() -> list[str]:
@@ -41,7 +41,7 @@ class CsvTracker(Tracker):
         self.metrics = os.path.join(start.out, METRICS)
         self.file = None
         self._rewrite(start.history)
-        self.through = start.step
+        self.through = start.step  # what it holds: metrics.jsonl up to the checkpoint
         self.state = {"file": METRICS_CSV}
 
     def _rewrite(self, records: list[dict]) -> None:
@@ -70,7 +70,7 @@ class CsvTracker(Tracker):
         self.writer.writerow(row)
         self.file.flush()
 
-    def close(self, finished: bool) -> None:
+    def close(self, outcome: Outcome) -> None:
         if self.file is not None:
             self.file.close()
             self.file = None
