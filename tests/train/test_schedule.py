@@ -25,6 +25,23 @@ def test_cosine_warms_up_then_decays_to_a_tenth():
     assert lr_factor(10, cfg) == pytest.approx(0.1)  # the end of the planned span
 
 
+def test_help_says_where_the_cosine_reaches_a_tenth():
+    """Issue 37: --help said the cosine reaches 10% of --lr "at the last step"; a run's last
+    step (1-based N, factor index N - 1) trains above it and step N + 1 at it. Decided: the
+    schedule stays (torch's CosineAnnealingLR and transformers' cosine end the same way, and
+    every run and checkpoint trains on it), the words say what it does."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    text = " ".join(p.format_help().split())  # as --help prints it
+    text = text[text.index("--schedule {cosine,constant} after"):][:400]
+    assert "at the last step" not in text
+    assert "its last step trains just above 10%, every step after it at 10%" in text
+    for steps, warmup in ((10, 2), (300, 20), (5, 0)):
+        cfg = TrainConfig(steps=steps, warmup=warmup).resolved()
+        assert lr_factor(steps - 1, cfg) > 0.1 + 1e-6  # the last planned step: above
+        assert lr_factor(steps, cfg) == pytest.approx(0.1)  # the first past the plan: at it
+
+
 def test_constant_holds_the_peak_after_warm_up():
     cfg = _parse("--steps", "10", "--warmup", "3", "--schedule", "constant")
     assert cfg.schedule == "constant"

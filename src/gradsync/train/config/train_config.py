@@ -51,7 +51,7 @@ class TrainConfig:
     micro_batch: int = field(default=8, metadata={"help": "samples per forward/backward on one worker (may change on resume)"})
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate (linear warm-up, then --schedule)"})
     warmup: int = field(default=20, metadata={"help": "warm-up steps"})
-    schedule: str = field(default="cosine", metadata={"help": "after warm-up: cosine decay to 10%% of --lr at the last step, or constant --lr to the end", "choices": SCHEDULES})
+    schedule: str = field(default="cosine", metadata={"help": "after warm-up: cosine decay to 10%% of --lr, reached where the plan ends (--schedule-steps: its last step trains just above 10%%, every step after it at 10%%, as torch's CosineAnnealingLR), or constant --lr to the end", "choices": SCHEDULES})
     schedule_steps: int = field(default=0, metadata={"help": "steps the learning-rate schedule is planned over (0: --steps at the run's first launch); recorded in the checkpoint and kept when the run is continued, also past it: the steps beyond train at the schedule's final rate"})
     optimizer: str = field(default="auto", metadata={"help": "adamw, sgd (momentum 0.9), auto (adamw for gpt and your own models, sgd for mlp), or your own: pkg.module:factory, called with the parameter groups and --lr", "type": check_optimizer})
     weight_decay: float | None = field(default=None, metadata={"help": "weight decay of the weight matrices and embeddings (never of biases or norm parameters, which get 0); default: the optimizer's own (adamw 0.1, sgd 0, your factory's)", "type": float})
