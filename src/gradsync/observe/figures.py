@@ -147,5 +147,5 @@ def make_figures(run: RunData, measured: StepTimeline | None,
         out["timeline.png"] = Figure(*timeline)
     memory = memory_figure(run)
     if memory is not None:
-        out["memory.png"] = Figure(*memory)
+        out["memory.png"] = Figure(png(memory[0]), memory[1])
     return out

@@ -63,9 +63,12 @@ def comm_figure(run: RunData):
         ex = [m["step"] for m in run.metrics if m.get(key) is not None]
         ey = [exact_step_bytes(sizes, int(m.get("world_size") or 1)) / 2**10
               for m in run.metrics if m.get(key) is not None]
-        ax.plot(ex, ey, "_", ms=14, mew=2, color="#e45756", label="exact all-reduce")
-        text += (" Red ticks: what the exact all-reduce of the same gradients would send on "
-                 "that step.")
+        # a line, stepped at each step: ticks ran together into one over many steps, and the
+        # caption said "ticks" for it (issue 37); a stepped line reads alike at any length
+        ax.plot(ex, ey, "-", drawstyle="steps-mid", lw=1.5, color="#e45756",
+                label="exact all-reduce")
+        text += (" Red line: what the exact all-reduce of the same gradients would send on "
+                 "each step.")
         ax.legend(fontsize=8)
     ax.set(ylabel="KiB per step (rank 0)",
            title="Communication: " + ("bytes on the wire" if key == "sent_bytes"
@@ -96,7 +99,8 @@ def comm_figure(run: RunData):
     return fig, text
 
 
-def memory_figure(run: RunData) -> tuple[bytes, str] | None:
+def memory_figure(run: RunData):
+    """Peak memory per rank, each bar labelled: (matplotlib figure, caption) or None."""
     peaks: list[float] = []
     for m in run.metrics:
         for r, v in enumerate(m.get("peak_mem_mb_by_rank") or []):
@@ -108,11 +112,16 @@ def memory_figure(run: RunData) -> tuple[bytes, str] | None:
     fig, ax = plt.subplots(figsize=(6.4, 2.8))
     ranks = [f"rank {r}" for r in range(len(peaks))]
     ax.bar(ranks, peaks, color=COLORS["forward"])
-    for i, v in enumerate(peaks):
-        ax.text(i, v, f"{v:,.0f} MiB", ha="center", va="bottom", fontsize=8)
+    top = max(peaks) or 1.0
+    for i, v in enumerate(peaks):  # inside a bar's top (above a short one): labels above the
+        inside = v > 0.25 * top    # tallest bar ran across the frame and the title (issue 37)
+        ax.annotate(f"{v:,.0f} MiB", (i, v), xytext=(0, -3 if inside else 3),
+                    textcoords="offset points", ha="center", va="top" if inside else "bottom",
+                    fontsize=8, color="white" if inside else "black")
+    ax.set_ylim(0, top * 1.08)
     ax.set(ylabel="peak memory (MiB)",
            title="Peak memory per rank (whole process on CPU, allocator peak on GPU)")
-    return png(fig), "Peak memory per rank over the run."
+    return fig, "Peak memory per rank over the run, each bar labelled with its value."
 
 
 def _color(name: str, cat: str) -> str:
