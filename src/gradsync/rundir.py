@@ -286,6 +286,27 @@ def collectives_text(asked: str, chosen: str | None) -> str:
     return "" if asked == "native" else f"{asked} collectives"
 
 
+DTYPE_SHORT = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def precision_text(config: dict) -> str:
+    """How the run computed, as its tables name it: ``--precision``, where ``fp32`` -- the
+    model's own dtype -- is named by that dtype (config.json's ``param_dtype``): a float64
+    model trains in fp64, and calling it fp32 was wrong (issue 37)."""
+    precision = config.get("precision") or "fp32"
+    if precision == "fp32":
+        return DTYPE_SHORT.get(config.get("param_dtype"), precision)
+    return precision
+
+
+def strategy_text(config: dict) -> str:
+    """The run's method by name: the local-update method (``diloco``, ``streaming-diloco``)
+    where one replaced the gradient sync, else ``--strategy``. A DiLoCo run's
+    ``--strategy`` is ddp's default, which its title used to show (issue 37)."""
+    sync = config.get("sync") or "exact"
+    return sync if sync in ("diloco", "streaming-diloco") else config.get("strategy") or "ddp"
+
+
 def sync_description(config: dict, chosen: str | None = None) -> str:
     """How a run synchronised, in words, from its config (train's table and the report);
     ``chosen``: the collectives ``--collectives auto`` resolved to, where known."""

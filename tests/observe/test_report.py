@@ -73,7 +73,7 @@ def test_report_is_self_contained(run_dir):
     srcs = re.findall(r"src='([^']*)'", page)
     assert len(srcs) == len(FIGURES) and all(s.startswith("data:image/png;base64,") for s in srcs)
     assert "profile from the traced step" in page  # the simulator's prediction is shown
-    assert "replicas identical in all 2 check(s)" in page
+    assert "replicas identical in all 2 checks at steps " in page
 
 
 TAIL = """<script>(function(){

@@ -120,20 +120,60 @@ def drift_html(run: RunData, mode: str) -> str:
     if not d.get("ok", True):
         return (f"<p class='bad'>Drift check FAILED at step {_e(d.get('last_step'))}: "
                 f"{_e(d.get('error', 'replicas differ'))}</p>")
-    how = (f"last at step {d.get('last_step')}; {d.get('params', '?')} parameters, bit-exact "
-           "checksums")
-    at = d.get("at", "steps")
-    if at == "syncs":
-        text = (f"replicas identical in all {d.get('checks')} check(s), each right after a "
-                f"{'sync or warm-up step' if c.get('sync_warmup') else 'sync'} "
-                f"({sync_schedule(c)}; checked at the first, "
-                f"then at most every {d.get('every')} steps) or at the end; {how}")
-    elif at == "end":
-        text = f"replicas identical after the final sync ({d.get('checks')} check(s); {how})"
-    else:
-        text = (f"replicas identical in all {d.get('checks')} check(s) (every "
-                f"{d.get('every')} steps and at the end; {how})")
+    text = drift_text(d, c, run.metrics)
     return f"<p class='ok'>Drift check: {_e(text)}.</p>"
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
+def _at(steps: list[int]) -> str:
+    shown = ", ".join(map(str, steps[:10])) + (f", ... ({len(steps) - 10} more)"
+                                               if len(steps) > 10 else "")
+    return f"step{'s' * (len(steps) != 1)} {shown}"
+
+
+def sync_steps(config: dict, metrics: list[dict]) -> list[int]:
+    """The steps a DiLoCo run synced at (after its synchronous warm-up): those after which
+    every worker held one model (``one_model`` in metrics.jsonl), the run's end included."""
+    warmup = int(config.get("sync_warmup") or 0)
+    return [m["step"] for m in metrics if m.get("one_model") and m.get("step", 0) > warmup]
+
+
+def drift_text(drift: dict, config: dict, metrics: list[dict], short: bool = False) -> str:
+    """A passed drift check in words, counted from drift.json and metrics.jsonl: how many
+    checks, where, and -- for DiLoCo, checked after some of its syncs -- after how many of
+    them. ``short``: the closing table's line. Issue 37: "replicas identical (1 checks)",
+    and "after each sync (2 checks)" after 4 syncs."""
+    n = int(drift.get("checks") or 0)
+    checked = [s for s in drift.get("steps") or [] if isinstance(s, int)]
+    checks = _count(n, "check")
+    every, at = drift.get("every"), drift.get("at", "steps")
+    how = (f"last at step {drift.get('last_step')}; {drift.get('params', '?')} parameter "
+           "tensors, bit-exact checksums")
+    where = f" at {_at(checked)}" if checked and len(checked) == n else ""
+    if at == "end":
+        return (f"replicas identical after the final sync ({checks})" if short else
+                f"replicas identical after the final sync ({checks}; {how})")
+    if at == "syncs":
+        syncs = sync_steps(config, metrics)
+        after = "a sync or a synchronous warm-up step" if config.get("sync_warmup") else "a sync"
+        if short:
+            if syncs and n < len(syncs):
+                return (f"replicas identical in {checks}, after {n} of the run's "
+                        f"{_count(len(syncs), 'sync')}")
+            return f"replicas identical after every sync ({checks})"
+        ran = (f"; the run synced {_count(len(syncs), 'time')}, at {_at(syncs)}" if syncs
+               else "")
+        return (f"replicas identical in {'all ' if n != 1 else ''}{checks}{where}, each right "
+                f"after {after} ({sync_schedule(config)}{ran}; checked at the first, then at "
+                f"the first at least {every} steps after the last check, and at the end); "
+                f"{how}")
+    if short:
+        return f"replicas identical ({checks})"
+    return (f"replicas identical in {'all ' if n != 1 else ''}{checks}{where} (every "
+            f"{every} steps and at the end; {how})")
 
 
 def exactness_html(run: RunData) -> str:

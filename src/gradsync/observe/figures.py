@@ -39,6 +39,44 @@ def series(run: RunData, key: str):
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _steps_text(steps: list[int]) -> str:
+    shown = ", ".join(map(str, steps[:8])) + (f" and {len(steps) - 8} more" if len(steps) > 8
+                                              else "")
+    return f"step{'s' * (len(steps) > 1)} {shown}"
+
+
+def _held_out(ax, run: RunData, ex: list[int], ey: list[float]) -> str:
+    """Draw the held-out loss; its caption, from what each evaluated step held.
+
+    ``evaluate`` sums the held-out items' losses over the ranks, each rank scoring its
+    share of the set on the model it holds. That is one model's loss, exact over the
+    whole set, wherever the replicas are identical: every step of an exact or
+    compressed run, and a local-update step that ended in a sync (``one_model`` in
+    metrics.jsonl). Between syncs each worker scores its own replica on its share, and
+    the figure is the mean of those scores, no model's loss: those points are drawn
+    hollow and said apart (issue 37: the caption called them exact).
+    """
+    mixed = {m["step"] for m in run.metrics if "step" in m and m.get("one_model") is False}
+    one = [(s, v) for s, v in zip(ex, ey) if s not in mixed]
+    apart = [(s, v) for s, v in zip(ex, ey) if s in mixed]
+    ax.plot(ex, ey, "-", color="#e45756", lw=1, alpha=0.6)
+    text = ""
+    if one:
+        ax.plot([s for s, _ in one], [v for _, v in one], "o", ms=4, color="#e45756",
+                label="held-out (one model)")
+        where = (f" (the one model every worker holds after a sync: "
+                 f"{_steps_text([s for s, _ in one])})" if sync_mode(run.config) == LOCAL else "")
+        text += f" Red dots: the held-out loss, exact over the whole held-out set{where}."
+    if apart:
+        ax.plot([s for s, _ in apart], [v for _, v in apart], "o", ms=5, mfc="white",
+                color="#e45756", label="held-out (each worker its replica)")
+        text += (f" Hollow red circles ({_steps_text([s for s, _ in apart])}, between syncs): "
+                 "each worker scores its own replica on its share of the held-out set, and "
+                 "the point is the mean of those scores over the whole set, not one model's "
+                 "loss.")
+    return text
+
+
 def loss_figure(run: RunData):
     """Loss per step (and the held-out loss), the gradient norm and the learning rate below."""
     x, y = series(run, "loss")
@@ -55,8 +93,7 @@ def loss_figure(run: RunData):
             + (", each item's loss taken on its own worker's replica." if local else
                " (exact: summed over ranks and micro-steps, divided by the item count)."))
     if ex:
-        ax.plot(ex, ey, "o-", ms=4, color="#e45756", label="held-out")
-        text += " Red dots: the held-out loss, exact over the whole held-out set."
+        text += _held_out(ax, run, ex, ey)
     ax.set(ylabel="loss (mean over items)", title="Loss")
     ax.legend(fontsize=8)
     if gx:

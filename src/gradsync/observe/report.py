@@ -17,7 +17,14 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from ..rundir import REPORT, sync_description, write_bytes, write_text
+from ..rundir import (
+    REPORT,
+    precision_text,
+    strategy_text,
+    sync_description,
+    write_bytes,
+    write_text,
+)
 from .balance_view import balance_rows
 from .exactness import exactness_html, run_traffic_line
 from .figures import Figure, make_figures
@@ -26,6 +33,7 @@ from .ft_view import ft_steps, ft_summary_row, ft_table
 from .run_data import RunData, load_run
 from .segments import segments, segments_text
 from .timeline import StepTimeline, measured_step, predicted_step
+from .traffic import size_text
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:60rem;color:#222}
 h1{font-size:1.5rem}h2{font-size:1.15rem;margin-top:2rem;border-bottom:1px solid #ddd}
@@ -78,7 +86,7 @@ def _key_numbers(run: RunData) -> list[tuple[str, str]]:
     rows = [("status", ("finished" + rebuilt) if run.finished else "did not finish"),
             ("model / data", f"{c.get('model', '?')} / {c.get('data', '?')}"),
             ("strategy / precision / optimizer",
-             f"{c.get('strategy', 'ddp')} / {c.get('precision', 'fp32')} / "
+             f"{strategy_text(c)} / {precision_text(c)} / "
              f"{s.get('optimizer') or c.get('optimizer', '?')}"),
             ("synchronisation", sync_description(c, s.get("collectives"))),
             ("bytes sent (rank 0)", run_traffic_line(run)),
@@ -134,25 +142,48 @@ MEMORY_LABELS = (("params", "parameters"), ("grads", "gradients"),
                  ("master_params", "fp32 master weights"),
                  ("optimizer_state", "optimizer state (moments)"),
                  ("comm_buffers", "communication buffers"), ("padding", "shard padding"))
+EXTRA_MEMORY = (("outer_copy", "outer copy (the global model DiLoCo keeps between syncs)"),
+                ("residuals", "error-feedback residual (the compressor's)"))
+"""Rows only a run of that kind has, shown where it has them (issue 37: an int8 run's
+gradient-sized residual was nowhere, a DiLoCo run's outer copy was "fp32 master
+weights")."""
+
+
+def _memory_rows(mem: dict) -> list[tuple[str, str]]:
+    def mib(key: str) -> str:  # exact bytes beside the unit: a small model's are not 0.00 MiB
+        return size_text(int(mem.get(key) or 0))
+
+    outer = mem.get("outer_copy") or 0
+    rows = [("parameters", mib("params")), ("gradients", mib("grads"))]
+    rows.append((EXTRA_MEMORY[0][1], mib("outer_copy")) if outer
+                else ("fp32 master weights", mib("master_params")))
+    rows.append(("optimizer state (moments)", mib("optimizer_state")))
+    total = sum(mem.get(k) or 0 for k in ("params", "grads", "master_params", "outer_copy",
+                                          "optimizer_state"))
+    rows.append(("model state (the four above)", size_text(int(total))))
+    rows.append(("communication buffers", mib("comm_buffers")))
+    if mem.get("residuals"):
+        rows.append((EXTRA_MEMORY[1][1], mib("residuals")))
+    rows.append(("shard padding", mib("padding")))
+    return rows
 
 
 def _memory_html(run: RunData) -> str:
     mem = (run.summary or {}).get("memory")
     if not isinstance(mem, dict):
         return ""
-    counts = [mem.get(k, 0) for k, _ in MEMORY_LABELS] + [mem.get("num_params", 0)]
+    counts = [mem.get(k, 0) for k, _ in MEMORY_LABELS + EXTRA_MEMORY] + [mem.get("num_params", 0)]
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in counts) \
             or not isinstance(mem.get("stage"), (int, type(None))):
         return ("<h2>Memory per rank</h2><p class='note'>summary.json's memory table is not "
                 "as gradsync writes it (a field is not a number): not shown.</p>")
     stage = {0: "data parallel", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}.get(mem.get("stage"), "?")
-    rows = [(label, f"{mem.get(key, 0) / 2**20:,.2f} MiB") for key, label in MEMORY_LABELS]
-    total = sum(mem.get(k, 0) for k in ("params", "grads", "master_params", "optimizer_state"))
-    rows.insert(4, ("model state (the four above)", f"{total / 2**20:,.2f} MiB"))
+    stage = {"diloco": "DiLoCo", "streaming-diloco": "streaming DiLoCo"}.get(
+        mem.get("strategy") or "", stage)
     return (f"<h2>Memory per rank</h2><p class='note'>What one rank of {_e(mem.get('world'))} "
             f"held at the last step's fullest ({_e(stage)}; "
             f"{_e(format(mem.get('num_params', 0), ','))} parameters), counted from the tensors "
-            "themselves.</p>" + _table(rows))
+            "themselves.</p>" + _table(_memory_rows(mem)))
 
 
 def _steps_table(run: RunData) -> str:

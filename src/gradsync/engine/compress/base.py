@@ -109,6 +109,11 @@ def forget_nonfinite_(state: torch.Tensor | None) -> None:
         torch.nan_to_num_(state, nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def held(t: torch.Tensor | None) -> int:
+    """Bytes of ``t``'s elements (0 for None)."""
+    return 0 if t is None else t.numel() * t.element_size()
+
+
 class Compressor:
     """Base class: locking, statistics and the point-to-point tag sequence.
 
@@ -147,6 +152,12 @@ class Compressor:
 
     def _reduce(self, key, x, shapes, group, rank, world) -> int:
         raise NotImplementedError
+
+    def held_bytes(self) -> int:
+        """Bytes of state this rank keeps between reductions (error-feedback residuals,
+        PowerSGD's warm-started factors): gradient-sized for int8 and PowerSGD, which a
+        memory report counts (issue 37: it said "communication buffers 0.00 MiB")."""
+        return 0
 
     def stats(self) -> CompressionStats:
         with self._lock:

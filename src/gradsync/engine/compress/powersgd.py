@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from ..transport import comm
-from .base import Compressor, forget_nonfinite_, ring_bytes
+from .base import Compressor, forget_nonfinite_, held, ring_bytes
 
 
 def orthogonalize_(m: torch.Tensor, epsilon: float = 0.0) -> None:
@@ -198,6 +198,11 @@ class PowerSGDCompressor(Compressor):
         if mats and st.first is not None:  # bitwise the same Q everywhere: every rank alike
             st.q.copy_(torch.where(torch.isfinite(st.q.sum()), st.q, st.first))
         return sent
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(held(t) for st in self._keys.values() for t in (st.q, st.residual,
+                                                                         st.first))
 
     def _state(self) -> dict:
         keys = {}

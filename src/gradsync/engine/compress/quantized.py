@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from ..transport import comm
-from .base import Compressor, forget_nonfinite_
+from .base import Compressor, forget_nonfinite_, held
 from .codecs import Bf16Codec, Codec, Fp16Codec, Int8Codec
 
 
@@ -152,6 +152,11 @@ class QuantizedCompressor(Compressor):
         if out is not x:
             x.copy_(out)
         return sent
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(held(t) for st in self._keys.values()
+                       for t in (st.residual, st.owner_residual))
 
     def _state(self) -> dict:
         keys = {}

@@ -189,6 +189,7 @@ class StreamingDiLoCo(EagerUpdates, DiLoCo):
         self._thread = CommThread("gradsync-streaming-diloco")  # device and stream of its own
         self.eager = bool(eager)
         self._eager_prev: list = [None] * len(self.fragments)  # the last sum, per fragment
+        self._agreed_at = -1  # the step after which sync_now left one model everywhere
 
     # ------------------------------------------------------------------ the loop
     def step(self, num_items=None) -> None:
@@ -207,6 +208,13 @@ class StreamingDiLoCo(EagerUpdates, DiLoCo):
                 if self.delay == 0:
                     self._finish(job, self.alpha)
 
+    @property
+    def replicas_agree(self) -> bool:
+        """Whether every replica holds the same parameters after the step just counted: a
+        synchronous warm-up step, or :meth:`sync_now` (the run's end). A fragment's sync
+        merges it into replicas that stay apart, so no other step leaves one model."""
+        return self._steps <= self.schedule.warmup or self._agreed_at == self._steps
+
     def hold(self, fragment: int, result) -> _InFlight:
         """A fragment's sum taken elsewhere, kept aside until this schedule applies it
         (after step + delay, merged with alpha) as if it had travelled on the thread.
@@ -221,6 +229,7 @@ class StreamingDiLoCo(EagerUpdates, DiLoCo):
         """Apply what is in flight, then sync every fragment that moved since it was sent,
         with alpha = 0 (a fragment sent at this very step takes the global copy as it is):
         afterwards every replica holds the same parameters. Every rank calls it."""
+        self._agreed_at = self._steps
         if self._steps < self.schedule.warmup:  # replicas already identical; buffers averaged
             self._end_warmup()
             return

@@ -42,7 +42,16 @@ def model_state_bytes(num_params: int, world: int, stage: int, k: int = 12) -> f
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Bytes held by this rank. ``model_state`` excludes padding and comm buffers."""
+    """Bytes held by this rank. ``model_state`` excludes padding, comm buffers and
+    residuals.
+
+    Two kinds of bytes exist only in some runs, and a report says them by name rather
+    than under another's: ``outer_copy``, the global model a DiLoCo worker keeps
+    beside its replica between syncs (not fp32 master weights: it has the model's own
+    dtype, and nothing computes in a lower one), and ``residuals``, a compressor's
+    error-feedback state (gradient-sized for int8 and PowerSGD, on every rank).
+    ``strategy`` names the run's method where the stage does not (``diloco``).
+    """
 
     stage: int
     world: int
@@ -53,10 +62,14 @@ class MemoryReport:
     optimizer_state: int
     comm_buffers: int
     padding: int
+    outer_copy: int = 0
+    residuals: int = 0
+    strategy: str = ""
 
     @property
     def model_state(self) -> int:
-        return self.params + self.grads + self.master_params + self.optimizer_state
+        return (self.params + self.grads + self.master_params + self.outer_copy
+                + self.optimizer_state)
 
     def formula(self, k: int = 12) -> float:
         """ZeRO's formula for this stage (bf16 params/grads, k bytes of optimizer state)."""
@@ -64,13 +77,19 @@ class MemoryReport:
 
     def render(self) -> str:
         mib = 2**20
-        rows = [("parameters", self.params), ("gradients", self.grads),
-                ("fp32 master weights", self.master_params),
-                ("optimizer state", self.optimizer_state), ("model state", self.model_state),
-                ("communication buffers", self.comm_buffers), ("padding", self.padding)]
-        head = (f"memory ({STAGE_NAMES.get(self.stage, self.stage)}, per rank of {self.world}, "
-                f"P = {self.num_params:,})")
-        return "\n".join([head] + [f"  {k:<22} {v / mib:10.3f} MiB" for k, v in rows])
+        rows = [("parameters", self.params), ("gradients", self.grads)]
+        if self.outer_copy:
+            rows.append(("outer copy (global model)", self.outer_copy))
+        else:
+            rows.append(("fp32 master weights", self.master_params))
+        rows += [("optimizer state", self.optimizer_state), ("model state", self.model_state),
+                 ("communication buffers", self.comm_buffers)]
+        if self.residuals:
+            rows.append(("error-feedback residual", self.residuals))
+        rows.append(("padding", self.padding))
+        name = self.strategy or STAGE_NAMES.get(self.stage, self.stage)
+        head = f"memory ({name}, per rank of {self.world}, P = {self.num_params:,})"
+        return "\n".join([head] + [f"  {k:<25} {v / mib:10.3f} MiB" for k, v in rows])
 
 
 def held(t: torch.Tensor | None) -> int:

@@ -22,6 +22,7 @@ the same number of workers only: per-worker replicas cannot be re-split.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,6 @@ from ...dist import comm_device
 from ...errors import UsageError
 from ..compress.base import ring_bytes
 from ..compress.delayed import DelayedUpdates
-from ..local.streaming import StreamingDiLoCo
 from ..replicated.data_parallel import DataParallel
 from ..replicated.memory_report import MemoryReport, held, optimizer_bytes
 from ..sync.item_window import as_count
@@ -100,6 +100,11 @@ class CompressedStrategy(DelayedUpdates, _PerRankState, DataParallelStrategy):
 
     def resume_on_new_world(self, was: int) -> None:
         self.reduction.windows = self.reduction.exact_windows  # residuals restart at zero
+
+    def memory_report(self) -> MemoryReport:
+        """DataParallel's, and the compressor's error-feedback residuals beside it."""
+        return dataclasses.replace(super().memory_report(),
+                                   residuals=self.reduction.compressor.held_bytes())
 
     def step_report(self) -> dict:
         if self.reduction.delayed is not None:
@@ -234,12 +239,10 @@ class LocalUpdateStrategy(_PerRankState, Strategy):
 
     def one_model(self) -> bool:
         """Whether every replica holds the same parameters after the step just taken:
-        after a DiLoCo sync or a synchronous warm-up step, so a held-out loss then is
-        one model's (streaming merges fragments into replicas that stay apart)."""
-        d = self.diloco
-        if isinstance(d, StreamingDiLoCo):
-            return d.steps <= d.schedule.warmup
-        return d.replicas_agree
+        after a DiLoCo sync, a synchronous warm-up step, or the run's final sync, so a
+        held-out loss then is one model's (streaming merges fragments into replicas that
+        stay apart)."""
+        return self.diloco.replicas_agree  # streaming's: warm-up steps and its final sync
 
     def memory_report(self) -> MemoryReport:
         module, opt = self.model.module, self.optimizer
@@ -250,8 +253,10 @@ class LocalUpdateStrategy(_PerRankState, Strategy):
         outer = sum(optimizer_bytes(self.diloco.outer_optimizer, a, a.numel())[0]
                     for a in anchors)
         num = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        return MemoryReport(0, dist.get_world_size(), num, params, grads,
-                            sum(held(a) for a in anchors), state + outer, 0, 0)
+        residuals = self.diloco.compressor.held_bytes() if self.diloco.compressor else 0
+        return MemoryReport(0, dist.get_world_size(), num, params, grads, 0, state + outer, 0,
+                            0, outer_copy=sum(held(a) for a in anchors), residuals=residuals,
+                            strategy=self.name)
 
     # ----------------------------------------------------------------- checkpoints
     def full_state_dict(self) -> dict:

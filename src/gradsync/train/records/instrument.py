@@ -47,7 +47,7 @@ class Instruments:
         # end), "syncs" (local updates: after each sync), "end" (streaming: the final sync)
         at = {"diloco": "syncs", "streaming-diloco": "end"}.get(cfg.sync.method, "steps")
         self.drift = {"checks": 0, "ok": True, "every": cfg.observe.drift_every,
-                      "last_step": None, "at": at}
+                      "last_step": None, "at": at, "steps": []}
         self._local_checked: tuple[int, int] | None = None  # (step, inner step) last checked
 
     # ---------------------------------------------------------------- per step
@@ -163,8 +163,19 @@ class Instruments:
             self.drift.update(ok=False, last_step=step, error=str(e))
             self._save_drift()
             raise
-        self.drift.update(checks=self.drift["checks"] + 1, last_step=step, params=n)
+        steps = self.drift["steps"] + [step]
+        self.drift.update(checks=len(steps), last_step=step, params=n, steps=steps)
         self._save_drift()
+
+    def continue_drift(self, step: int) -> None:
+        """A resumed run's checks before ``step`` (its checkpoint), from drift.json, so the
+        count and the steps the report names are the run's, not this session's alone."""
+        earlier = read_json(os.path.join(self.cfg.run.out, DRIFT))
+        if not isinstance(earlier, dict) or earlier.get("ok") is not True:
+            return
+        steps = [s for s in earlier.get("steps") or [] if isinstance(s, int) and s <= step]
+        if steps:
+            self.drift.update(checks=len(steps), steps=steps, last_step=steps[-1])
 
     def _drift_due(self, step: int, strategy) -> bool:
         every = self.cfg.observe.drift_every
@@ -189,15 +200,6 @@ class Instruments:
         if self.tracer is not None and self.tracing:
             self.tracer.stop()
         self.meter.close()
-
-
-def drift_line(drift: dict) -> str:
-    if not drift["every"]:
-        return "off"
-    if not drift["ok"]:
-        return "FAILED"
-    where = {"syncs": " after each sync", "end": " after the final sync"}.get(drift.get("at"), "")
-    return f"replicas identical{where} ({drift['checks']} checks)"
 
 
 def finite(x: float | None) -> bool:

@@ -12,10 +12,21 @@ import os
 import time
 
 from ...engine.strategy.inexact import LocalUpdateStrategy
+from ...observe.exactness import drift_text
 from ...observe.traffic import run_traffic, traffic_line
-from ...rundir import KEPT, METRICS, SUMMARY, Summary, read_metrics, sync_description, write_json
+from ...rundir import (
+    KEPT,
+    METRICS,
+    SUMMARY,
+    Summary,
+    precision_text,
+    read_metrics,
+    strategy_text,
+    sync_description,
+    write_json,
+)
 from ..worker.session import Session
-from .instrument import drift_line, write_report_safely
+from .instrument import write_report_safely
 
 
 def _median(values: list[float]) -> float | None:
@@ -97,6 +108,7 @@ def finish(sess: Session) -> dict | None:
         return None
     cfg, s = sess.cfg, build_summary(sess)
     write_json(os.path.join(cfg.run.out, SUMMARY), s.to_json())
+    run = {**cfg.to_dict(), "param_dtype": sess.param_dtype}  # what the tables name
     tuned = sess.strategy.autotune_result
     rate = s.tokens_per_s if sess.unit == "tokens" else s.samples_per_s
     sizes = " -> ".join(map(str, s.world_sizes))
@@ -107,14 +119,15 @@ def finish(sess: Session) -> dict | None:
         ("median step time", _f(s.median_step_s and s.median_step_s * 1e3, ".1f", " ms")),
         ("workers x accumulation", f"{s.world_size} x {s.accumulation}"
          + (f" (workers over the run: {sizes})" if len(s.world_sizes) > 1 else "")),
-        ("strategy / precision / optimizer", f"{s.strategy} / {s.precision} / {s.optimizer}"),
+        ("strategy / precision / optimizer", f"{strategy_text(run)} / {precision_text(run)} / "
+                                             f"{s.optimizer}"),
         ("synchronisation", sync_description(cfg.to_dict(), s.collectives)),
         ("seed", str(s.seed)),
         ("scaling efficiency vs 1 worker",
          f"{s.scaling_efficiency:.0%}" if s.scaling_efficiency
          else "n/a (1 worker)" if s.world_size == 1 else "(run with --baseline)"),
         ("bytes sent (rank 0)", _traffic_line(cfg, s)),
-        ("drift check", drift_line(sess.inst.drift)
+        ("drift check", _drift_line(sess)
          if sess.strategy.replicated or isinstance(sess.strategy, LocalUpdateStrategy)
          else f"n/a ({sess.strategy.not_replicated_because})"),
         ("gradient buckets", _buckets_line(s, tuned)),
@@ -135,7 +148,7 @@ def finish(sess: Session) -> dict | None:
     if s.early_stop:
         rows.insert(-1, ("early stopping", sess.watch.stop_line()))
     sess.display.summary(rows, title=f"gradsync train: {cfg.run.model} on {cfg.run.data} "
-                                     f"({cfg.sync.strategy}, {cfg.sync.precision})")
+                                     f"({strategy_text(run)}, {precision_text(run)})")
     mem = sess.memory or sess.strategy.memory_report()
     sess.display.console.print(mem.render(), highlight=False)
     if not cfg.observe.no_report:
@@ -178,6 +191,17 @@ def loss_scale_line(figures: dict) -> str:
 def _traffic_line(cfg, s: Summary) -> str:
     rows, _ = read_metrics(os.path.join(cfg.run.out, METRICS))
     return traffic_line(run_traffic(rows, s.gradient_bytes), cfg.sync.strategy)
+
+
+def _drift_line(sess: Session) -> str:
+    """The drift check over the whole run (observe/exactness.drift_text's short form)."""
+    drift = sess.inst.drift
+    if not drift["every"]:
+        return "off"
+    if not drift["ok"]:
+        return "FAILED"
+    rows, _ = read_metrics(os.path.join(sess.cfg.run.out, METRICS))
+    return drift_text(drift, sess.cfg.to_dict(), rows, short=True)
 
 
 def _balance_line(sess: Session) -> str:

@@ -70,6 +70,7 @@ class Session:
     batches: StepBatches | None = None  # the step's micro-batches, --loader-workers (task/loader)
     trackers: TrackedWriter | None = None  # --log (rank 0): also sess.writer
     finished: bool = False  # the run reached its end (the summary was written)
+    param_dtype: str = ""  # the model's parameters' dtype (rank 0; config.json's)
 
     @property
     def unit(self) -> str:

@@ -136,14 +136,23 @@ def setup(cfg: RunConfig, model_fn=None, data_fn=None, faults: FaultInjector | N
     return sess
 
 
+def _param_dtype(model: torch.nn.Module) -> str:
+    """The dtype the model's floating parameters have (``float64``), which ``--precision
+    fp32`` (the model's own dtype) trains in: the tables name it (``rundir.precision_text``)."""
+    dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return str(max(set(dtypes), key=dtypes.count)).removeprefix("torch.") if dtypes else ""
+
+
 def _open_rank0(sess: Session) -> None:
     cfg, plan = sess.cfg, sess.plan
     reached, dropped = _reset_files(cfg, plan)
+    sess.param_dtype = _param_dtype(sess.task.model)
     write_json(os.path.join(cfg.run.out, CONFIG),
                {**cfg.record(plan.schedule_steps), "world_size": sess.world,
                 "world_sizes": sess.world_sizes, "accumulation": plan.accumulation,
                 "backend": sess.backend, "item_name": sess.unit,
-                "eval": sess.task.data.eval is not None and cfg.observe.eval_every > 0})
+                "eval": sess.task.data.eval is not None and cfg.observe.eval_every > 0,
+                "param_dtype": sess.param_dtype})
     sess.writer = MetricsWriter(os.path.join(cfg.run.out, METRICS),
                                 fail=lambda rec: sess.faults.write_error(0, rec.get("step")))
     sess.baseline_rate = baseline_rate_of(cfg)
@@ -158,6 +167,7 @@ def _open_rank0(sess: Session) -> None:
     for note in [*state.reconcile_kept(sess), *sess.watch.notes]:  # kept units, --keep-best
         sess.display.say(f"gradsync train: {note}")
     if plan.action == "resume":
+        sess.inst.continue_drift(sess.start_step)
         workers = "1 worker" if sess.world == 1 else f"{sess.world} workers"
         sess.display.say(f"gradsync train: resuming from step {sess.start_step} of {cfg.run.steps} "
                          f"({workers}, was {plan.was_world})")
