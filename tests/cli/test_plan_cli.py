@@ -107,6 +107,20 @@ def test_batch_4m_token_table(capsys):
     assert "accumulation < 1" in out
 
 
+def test_batch_table_says_micro_steps_per_worker_not_steps_to_run():
+    """Issue 37: the column was "steps to run", read as optimizer steps; it is each
+    worker's micro-steps per optimizer step (grad_acc rounded up)."""
+    from gradsync.observe.plan_tables import batch_table
+    from gradsync.plan.batch import plan_batch
+
+    table = batch_table(plan_batch(4_000_000, 4096, 2, [128, 512, 1024]))
+    heads = [c.header for c in table.columns]
+    assert "steps to run" not in heads
+    col = table.columns[heads.index("micro-steps per worker per step")]
+    assert list(col.cells) == ["4", "1", "1"]
+    assert "per optimizer step" in str(table.caption)
+
+
 def test_comm_ps_vs_ring_exercise(capsys, tmp_path):
     code, out, _ = run(capsys, "plan", "comm", "2e9", "--itemsize", "2", "--bandwidth",
                        "25GB/s", "--workers", "8,64,512", "--json")

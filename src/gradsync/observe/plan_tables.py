@@ -65,6 +65,9 @@ def loader_line(loader) -> str:
             f"{fmt_bytes(loader.host)}, and {fmt_bytes(loader.pinned)} more pinned on a GPU")
 
 
+MICRO_STEPS = "micro-steps per worker per step"
+
+
 def batch_table(plan: BatchPlan) -> Table:
     how = "rounded to a power of two" if plan.rounded else "not rounded"
     t = Table(
@@ -74,8 +77,13 @@ def batch_table(plan: BatchPlan) -> Table:
             f"{plan.micro_batch}"
         )
     )
-    for col in ("workers", "grad_acc", "steps to run", "samples/step", "note"):
+    # "micro-steps": what each worker runs per optimizer step (issue 37: the column said
+    # "steps to run", read as optimizer steps, which the plan does not choose)
+    for col in ("workers", "grad_acc", MICRO_STEPS, "samples/step", "note"):
         t.add_column(col, justify="right" if col != "note" else "left")
+    t.caption = (f"{MICRO_STEPS}: micro-batches of {plan.micro_batch} each worker runs "
+                 "(forward and backward) per optimizer step, grad_acc rounded up; "
+                 "samples/step: what one optimizer step then takes over all workers")
     for r in plan.rows:
         if r.below_one:
             note = "[red]accumulation < 1: too many workers (shrink mbs or grow the batch)[/]"
