@@ -38,6 +38,17 @@ def is_file_spec(mod_name: str) -> bool:
     return mod_name.endswith(".py") or "/" in mod_name or os.sep in mod_name
 
 
+def absolute_spec(text: str) -> str:
+    """``path/to/file.py:factory`` with the path made absolute (``pkg.module:factory``, a
+    built-in name and an absolute path unchanged): what a run records, so that ``gradsync
+    export`` and a resume from another directory find the file a relative path named from
+    the directory the run was started in (issue 37)."""
+    mod, sep, attr = str(text).partition(":")
+    if sep and mod and attr and is_file_spec(mod) and not os.path.isabs(mod):
+        return f"{os.path.abspath(mod)}:{attr}"
+    return text
+
+
 def _import_file(path: str):
     """Import ``path`` under its file name, its directory first on ``sys.path``."""
     full = os.path.abspath(path)

@@ -50,7 +50,7 @@ from ...dist import BACKENDS
 from ...engine.strategy.options import SyncOptions
 from ...engine.strategy.registry import FIXED_BUCKETS, PRECISIONS, STRATEGIES
 from ...errors import UsageError
-from ...factory import is_factory_spec
+from ...factory import absolute_spec, is_factory_spec
 from ...models import MODELS
 from ..checkpoint.identity import parse_overrides
 from ..records.trackers import check_log
@@ -371,6 +371,8 @@ def resolve(cfg) -> RunConfig:
         check_optimizer(v["optimizer"])
     except argparse.ArgumentTypeError as e:
         raise UsageError(str(e)) from None
+    for name in ("model", "data", "optimizer", "scheduler"):  # recorded as found from here
+        v[name] = absolute_spec(v[name])
     wd = v["weight_decay"]
     if wd is not None and not (isinstance(wd, (int, float)) and wd >= 0):
         raise UsageError(f"--weight-decay must be a number >= 0, got {wd!r}")
