@@ -384,3 +384,39 @@ def dropout_per_rank64() -> nn.Module:
                           nn.Linear(HIDDEN, D_OUT)).double()
     torch.manual_seed(1000 + gs.rank())
     return model
+
+
+class _Timed(nn.Module):
+    """tiny64 whose forward takes 20 ms a sample and that notes, per rank, when each
+    forward ended and when its backward reached the output (``$GRADSYNC_TEST_RECORD``):
+    where an emulated straggler sleeps, as the workers ran it."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = tiny64()
+        self._file = None
+
+    def _note(self, what: str) -> None:
+        import time
+
+        where = os.environ.get(RECORD_ENV)
+        if where:
+            if self._file is None:
+                name = f"times-rank{os.environ.get('RANK', '0')}-{os.getpid()}.txt"
+                self._file = open(os.path.join(where, name), "a", buffering=1)
+            self._file.write(f"{what} {time.perf_counter()!r}\n")
+
+    def forward(self, x):
+        import time
+
+        self._note("forward")
+        time.sleep(0.02 * len(x))
+        out = self.net(x)
+        if out.requires_grad:
+            out.register_hook(lambda g: self._note("backward") or g)
+        self._note("forwarded")
+        return out
+
+
+def timed64() -> nn.Module:
+    return _Timed()

@@ -1,11 +1,18 @@
 """Emulated stragglers: a worker made slow on purpose, to try and to test ``--balance``.
 
-``--straggler 1:0.5@20`` runs rank 1 at half speed from step 20 on. After each
-micro-batch's forward and backward the slow rank sleeps ``(1/SPEED - 1)`` times
-the *busy* time of that micro-batch (its wall time minus the time it was blocked
-in collectives), so its compute -- and only its compute -- takes ``1/SPEED`` as
-long, whatever the share it was handed. That is a throttled core, a noisy
-neighbour or an older node as the other ranks see it: they wait for it.
+``--straggler 1:0.5@20`` runs rank 1 at half speed from step 20 on. Between each
+micro-batch's forward and its backward the slow rank sleeps ``(1/SPEED - 1)`` times
+that micro-batch's compute -- its forward's *busy* time (wall time minus the time it
+was blocked in collectives), measured, and its backward's, estimated from the
+micro-batch before (the ratio of backward to forward it took; twice the forward for
+the first) -- so its compute takes ``1/SPEED`` as long, whatever the share it was
+handed. That is where a slow device is slow: before its gradient leaves. A sleep
+after the backward (as this once was) came after the bucketed all-reduce had already
+taken the gradient, so the other ranks waited at the next collective instead of at
+the gradient's, and overlap hid part of the slowness a real slow device shows.
+``benchmarks/stragglers_worker.py`` sleeps at the same point, between forward and
+backward. That is a throttled core, a noisy neighbour or an older node as the other
+ranks see it: they wait for it.
 
 A sleep rather than a CPU quota: it needs no privileges, behaves the same on a
 GPU node, and on a shared CPU machine it frees the core instead of competing
@@ -48,7 +55,7 @@ def parse_stragglers(text: str) -> list[Straggler]:
 
 
 class Slowdown:
-    """This rank's emulated slowness: :meth:`after_micro_batch` sleeps when it applies."""
+    """This rank's emulated slowness: :meth:`before_backward` sleeps when it applies."""
 
     def __init__(self, stragglers, rank: int):
         """``stragglers``: ``--straggler`` parsed (:func:`parse_stragglers`, when the config
@@ -56,6 +63,8 @@ class Slowdown:
         mine = [s for s in stragglers if s.rank == rank]
         self.stragglers = sorted(mine, key=lambda s: s.from_step)
         self._clock = BusyClock() if self.stragglers else None
+        self._forward_s = 0.0  # this micro-batch's forward, busy seconds
+        self._ratio = 2.0  # backward / forward busy time, as the last micro-batch took them
 
     def speed(self, step: int) -> float:
         """This rank's emulated speed at ``step`` (the latest straggler entry in force)."""
@@ -63,14 +72,28 @@ class Slowdown:
         return now[-1] if now else 1.0
 
     def before_micro_batch(self) -> None:
+        """The micro-batch's forward starts now."""
         if self._clock is not None:
             self._clock.start()
 
-    def after_micro_batch(self, step: int) -> None:
-        speed = self.speed(step) if self._clock is not None else 1.0
-        if speed >= 1.0:
+    def before_backward(self, step: int) -> None:
+        """The forward is done, the backward (which sends the gradient) not started: sleep
+        ``(1/speed - 1)`` times this micro-batch's compute, the forward's measured and the
+        backward's estimated (module doc)."""
+        if self._clock is None:
             return
-        time.sleep(self._clock.busy_s() * (1.0 / speed - 1.0))
+        self._forward_s = self._clock.busy_s()
+        speed = self.speed(step)
+        if speed < 1.0:
+            compute = self._forward_s * (1.0 + self._ratio)
+            time.sleep(compute * (1.0 / speed - 1.0))
+        self._clock.start()  # the backward's busy time, without the sleep
+
+    def after_micro_batch(self, step: int) -> None:
+        """The backward is done: its busy time against the forward's, for the next estimate."""
+        if self._clock is None or self._forward_s <= 0:
+            return
+        self._ratio = self._clock.busy_s() / self._forward_s
 
     def close(self) -> None:
         if self._clock is not None:

@@ -104,6 +104,7 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
             loss = task.data.loss_fn(_forward(model, x), y)
             if poison:
                 loss = loss * float("nan")
+            sess.slowdown.before_backward(step)  # --straggler: slow before the gradient leaves
             model.backward(loss, num_items=n)
         if n:  # a micro-batch of padding only: its loss is 0/0 and counts for nothing
             loss_sum += loss.detach().to(torch.float64) * n
