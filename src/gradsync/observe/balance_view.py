@@ -1,11 +1,19 @@
 """The report's view of straggler balancing: each rank's share and speed, and the time saved.
 
 Everything here reads ``metrics.jsonl`` fields the training loop writes on every
-step (``share_by_rank``, ``busy_s_by_rank``, ``balance_saved_s``); a run from
+step (``share_by_rank``, ``busy_s_by_rank``, ``step_time_s``); a run from
 before balancing existed has none of them and gets neither figure nor row.
+
+The time saved is measured, not modelled: each uneven step's time against the median
+time of the even-split steps just before the first change (the steps the balancer
+measured the straggler on), from ``step_time_s``. metrics.jsonl's ``balance_saved_s``
+is the balancer's own prediction from its speed model; the report no longer says it as
+a saving (issue 37).
 """
 
 from __future__ import annotations
+
+import statistics
 
 import matplotlib
 
@@ -17,8 +25,44 @@ from .run_data import RunData  # noqa: E402
 CAPTION = ("Straggler balancing (--balance auto): top, the samples each rank took per step "
            "(they sum to the global batch; the update is the exact mean either way); "
            "middle, each rank's own speed, samples per second of compute (step time minus "
-           "time blocked on collectives); bottom, the seconds each step saved against the "
-           "even split, from each rank's measured speed on its share.")
+           "time blocked on collectives); bottom, the milliseconds each uneven step took less "
+           "than the median even-split step just before the first change (measured step "
+           "times).")
+
+BASELINE = 5  # even-split steps before the first change that the saving is measured against
+
+
+def measured_saving(metrics: list[dict]) -> dict | None:
+    """What the uneven split saved, from the steps' own times: ``baseline_s`` (median
+    ``step_time_s`` of the last :data:`BASELINE` even-split steps before the first uneven
+    one, step 1 left out), ``baseline_steps``, ``uneven`` (step, seconds saved) for each
+    uneven step, ``saved_s`` their sum, ``uneven_median_s``. None: no uneven step, or no
+    even-split step before it to measure against."""
+    rows = [m for m in metrics if m.get("share_by_rank") and m.get("step_time_s")]
+    first = next((i for i, m in enumerate(rows) if len(set(m["share_by_rank"])) > 1), None)
+    if first is None:
+        return None
+    before = [m for m in rows[:first] if m["step"] > 1][-BASELINE:]
+    if not before:
+        return None
+    base = statistics.median(m["step_time_s"] for m in before)
+    uneven = [(m["step"], base - m["step_time_s"]) for m in rows
+              if len(set(m["share_by_rank"])) > 1]
+    return {"baseline_s": base, "baseline_steps": [m["step"] for m in before],
+            "uneven": uneven, "saved_s": sum(v for _, v in uneven),
+            "uneven_median_s": statistics.median(m["step_time_s"] for m in rows
+                                                 if len(set(m["share_by_rank"])) > 1)}
+
+
+def saving_text(saving: dict | None) -> str:
+    """The measured saving in words (the report's row and the terminal table's)."""
+    if saving is None:
+        return "saving not measured (no even-split step before the first change)"
+    b = saving["baseline_steps"]
+    n = len(saving["uneven"])
+    return (f"saved {saving['saved_s']:.2f} s over {n} uneven step{'s' * (n != 1)} "
+            f"(measured: median step {1e3 * saving['uneven_median_s']:.1f} ms against "
+            f"{1e3 * saving['baseline_s']:.1f} ms on the even split, steps {b[0]}-{b[-1]})")
 
 
 def _rows(run: RunData) -> list[dict]:
@@ -46,8 +90,8 @@ def balance_figure(run: RunData, png) -> bytes | None:
     top.legend(fontsize=7, ncol=min(world, 4))
     mid.set(ylabel="samples / s (compute)")
     mid.set_ylim(bottom=0)
-    saved = [(m["step"], m["balance_saved_s"] * 1e3) for m in rows
-             if m.get("balance_saved_s") is not None]
+    saving = measured_saving(run.metrics)
+    saved = [(s, v * 1e3) for s, v in saving["uneven"]] if saving else []
     if saved:
         low.bar([s for s, _ in saved], [v for _, v in saved], width=1.0, color="#54a24b")
     low.axhline(0, color="gray", lw=0.5)
@@ -71,9 +115,8 @@ def balance_rows(run: RunData) -> list[tuple[str, str]]:
     if not uneven:
         return [("straggler balancing", "on; no rank was measured slower: even split "
                                         "throughout")]
-    saved = [m.get("balance_saved_s") or 0.0 for m in uneven]
     last = uneven[-1]["share_by_rank"]
     return [("straggler balancing",
              f"uneven split on {len(uneven)} of {len(rows)} steps (last: "
-             f"{' / '.join(map(str, last))} samples); saved {sum(saved):.2f} s against "
-             f"the even split ({1e3 * sum(saved) / len(uneven):.1f} ms a step)")]
+             f"{' / '.join(map(str, last))} samples); "
+             f"{saving_text(measured_saving(run.metrics))}")]

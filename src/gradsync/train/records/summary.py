@@ -12,6 +12,7 @@ import os
 import time
 
 from ...engine.strategy.inexact import LocalUpdateStrategy
+from ...observe.balance_view import measured_saving, saving_text
 from ...observe.exactness import drift_text
 from ...observe.traffic import run_traffic, traffic_line
 from ...rundir import (
@@ -215,9 +216,8 @@ def _balance_line(sess: Session) -> str:
     uneven = [r for r in rows if len(set(r.get("share_by_rank") or [0])) > 1]
     if not uneven:
         return "on; even split throughout (no rank measured slower)"
-    saved = sum(r.get("balance_saved_s") or 0.0 for r in uneven)
     return (f"{len(uneven)} of {len(rows)} steps uneven (last {uneven[-1]['share_by_rank']}); "
-            f"saved {saved:.2f} s")
+            f"{saving_text(measured_saving(rows))}")
 
 
 def _buckets_line(s, tuned) -> str:
