@@ -10,7 +10,9 @@ backward the slow rank sleeps ``(1/speed - 1)`` times the compute that its
 micro-batch costs on this machine, from a line ``a + b * n`` measured once at
 the start (one process, no communication) and averaged over the ranks -- so the
 slowness is the same in all three modes and does not depend on what a mode
-measures.
+measures. ``gradsync train --straggler`` sleeps at the same point, before the
+gradient leaves (``train/step/straggler.py``), measuring the forward and estimating
+the backward as it goes instead of from a calibrated line.
 """
 
 from __future__ import annotations
