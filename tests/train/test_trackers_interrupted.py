@@ -30,10 +30,13 @@ import time
 
 import pytest
 
+import gradsync
 from gradsync.rundir import METRICS, METRICS_CSV, TRACKERS, read_metrics_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the gradsync these tests import (a checkout's src/ ahead of an installed copy elsewhere)
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(gradsync.__file__)))
 LOG = "tensorboard,csv,wandb,mlflow"
 STEPS = 40
 ARGS = ["train", "--workers", "2", "--steps", str(STEPS), "--global-batch", "8",
@@ -102,7 +105,7 @@ def run(tmp_path_factory):
                         "MLFLOW_EXPERIMENT_NAME", "GRADSYNC_FAULT")}
     env.update({k: str(base / "wandb-home") for k in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR",
                                                       "WANDB_DATA_DIR")},
-               GRADSYNC_TEST_FORWARD_S="0.02", PYTHONPATH=ROOT)
+               GRADSYNC_TEST_FORWARD_S="0.02", PYTHONPATH=os.pathsep.join([ROOT, SRC]))
     codes = []
     # 1. Ctrl-C while W&B makes its run folder, slow steps: no checkpoint yet
     codes.append(_attempt(out, {**env, "GRADSYNC_TEST_FORWARD_S": "0.3"},

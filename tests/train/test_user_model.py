@@ -61,7 +61,7 @@ def test_user_model_and_data_train_resume_and_report(tmp_path, capfd):
         assert abs(F.mse_loss(model(hx), hy).item() - summary["final_eval_loss"]) <= 1e-12
     page = (out / "report.html").read_text()
     assert "held-out" in page and "Missing from this run" not in page  # no trace was asked for
-    assert "ddp / fp32 / adamw" in page and (out / "loss.png").exists()
+    assert "ddp / fp64 / adamw" in page and (out / "loss.png").exists()
 
 
 class CountingStrategy(DataParallelStrategy):
