@@ -54,6 +54,15 @@ def parse_stragglers(text: str) -> list[Straggler]:
     return out
 
 
+def _settle() -> None:
+    """On a GPU, wait for the work queued so far (a straggler rank only): the host returns
+    from a kernel launch at once, so its clock would time the launches, not the compute."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+
+
 class Slowdown:
     """This rank's emulated slowness: :meth:`before_backward` sleeps when it applies."""
 
@@ -82,6 +91,7 @@ class Slowdown:
         backward's estimated (module doc)."""
         if self._clock is None:
             return
+        _settle()
         self._forward_s = self._clock.busy_s()
         speed = self.speed(step)
         if speed < 1.0:
@@ -93,6 +103,7 @@ class Slowdown:
         """The backward is done: its busy time against the forward's, for the next estimate."""
         if self._clock is None or self._forward_s <= 0:
             return
+        _settle()
         self._ratio = self._clock.busy_s() / self._forward_s
 
     def close(self) -> None:
