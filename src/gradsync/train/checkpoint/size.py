@@ -43,7 +43,7 @@ from ...engine.local.exchange import split_parameters
 from ...factory import is_factory_spec, load_factory
 from ...models import build_model
 from ...rundir import CHECKPOINT, KEPT, SHARDS
-from ..config.resolve import RunConfig
+from ..config.run_config import RunConfig
 
 PER_TENSOR = 330
 """Bytes a tensor costs in a torch.save zip beyond its data: its zip entry (local and

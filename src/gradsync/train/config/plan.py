@@ -39,7 +39,7 @@ from ..checkpoint.size import space_needed
 from ..checkpoint.state import decide
 from ..checkpoint.unit import read_unit
 from ..task.init_from import source_kind
-from .resolve import RunConfig
+from .run_config import RunConfig
 
 
 @dataclass(frozen=True)

@@ -28,18 +28,14 @@ from ...dist import BACKENDS
 from ...engine.strategy.options import COLLECTIVES, SYNC_METHODS, SyncOptions
 from ...engine.strategy.registry import PRECISIONS, STRATEGIES
 from .file import read_toml, to_toml
-from .resolve import (
+from .resolve import bucket_cap, check_data, check_model, check_optimizer, resolve
+from .run_config import (
     BALANCE_CHOICES,
     CLIP_RECIPE,  # noqa: F401 - the field's help names it; re-exported for readers
     NONFINITE_CHOICES,
     RESUME_CHOICES,
     SCHEDULES,
     RunConfig,
-    bucket_cap,
-    check_data,
-    check_model,
-    check_optimizer,
-    resolve,
 )
 
 

@@ -29,7 +29,7 @@ from ... import dist as gdist
 from ...errors import UsageError, WorkerFailedError
 from ...factory import check_factory, factory_name, is_factory_spec
 from ..checkpoint.restarts import record_pending
-from ..config.resolve import RunConfig
+from ..config.run_config import RunConfig
 from ..config.train_config import TrainConfig
 from ..records.callbacks import check_callbacks
 from ..records.summary import repair_summary

@@ -20,7 +20,7 @@ from ... import dist as gdist
 from ...errors import UsageError
 from ..checkpoint.guard import RunLock
 from ..config.plan import RunPlan, check_data_size, plan_run, same_command_on
-from ..config.resolve import RunConfig
+from ..config.run_config import RunConfig
 from ..task.build import builtin_data
 from ..task.builtins import DATASETS
 

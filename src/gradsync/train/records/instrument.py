@@ -30,7 +30,7 @@ from ...errors import ReplicaMismatchError
 from ...observe.chrome import rank_payload, write_trace
 from ...observe.metrics import StepMeter, peak_memory_bytes
 from ...rundir import BASELINE, DRIFT, PLAN, SUMMARY, TRACE, read_json, write_json
-from ..config.resolve import RunConfig
+from ..config.run_config import RunConfig
 
 STATS = ("loss_sum", "items", "grad_norm", "exposed_s", "bytes", "peak_memory", "samples",
          "busy_s")

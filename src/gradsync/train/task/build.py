@@ -43,7 +43,7 @@ from torch.utils.data import Dataset
 from ...errors import UsageError
 from ...factory import factory_name, is_factory_spec, load_factory
 from ...models import build_model
-from ..config.resolve import RunConfig
+from ..config.run_config import RunConfig
 from .builtins import DATASETS, split_held_out
 from .conventions import IGNORE_INDEX, causal_lm_layout, labelled, shifted_lm_loss
 from .conventions import loss_input as _logits

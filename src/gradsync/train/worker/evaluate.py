@@ -36,7 +36,7 @@ from ...errors import UsageError
 from ...rundir import CHECKPOINT
 from ...safeload import trusting
 from ..checkpoint.format import load_checkpoint
-from ..config.resolve import RunConfig
+from ..config.run_config import RunConfig
 from ..step.train_step import evaluate
 from ..task.build import Task, build_task
 from ..task.optim import build_with_optimizer

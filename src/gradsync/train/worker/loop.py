@@ -23,7 +23,7 @@ import time
 from ... import sigint
 from ...observe import host_reads
 from ..checkpoint.state import save
-from ..config.resolve import RunConfig
+from ..config.run_config import RunConfig
 from ..records.callbacks import Callbacks
 from ..records.summary import finish
 from ..records.trackers.base import FAILED, KILLED, Outcome

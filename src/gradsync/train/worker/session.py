@@ -18,7 +18,7 @@ from ...rundir import MetricsWriter
 from ..checkpoint.guard import RunLock
 from ..checkpoint.kept import Kept
 from ..config.plan import RunPlan
-from ..config.resolve import RunConfig
+from ..config.run_config import RunConfig
 from ..records.instrument import Instruments
 from ..records.progress import RunDisplay
 from ..records.trackers.base import FINISHED, KILLED, Outcome

@@ -36,7 +36,7 @@ from ..checkpoint import state
 from ..checkpoint.kept import Kept
 from ..checkpoint.restarts import note_restart
 from ..config.plan import RunPlan, check_data_size, plan_run, step_sampler
-from ..config.resolve import RunConfig
+from ..config.run_config import RunConfig
 from ..records.instrument import Instruments, baseline_rate_of
 from ..records.progress import RunDisplay
 from ..records.summary import repair_summary
