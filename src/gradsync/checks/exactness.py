@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ..data.regression import make_regression
+from ..engine.transport import host
 from ..errors import UsageError
 from ..models.mlp import TanhMLP
 
@@ -47,17 +48,6 @@ def _at_least_one(**values) -> None:
     for name, value in values.items():
         if value < 1:
             raise UsageError(f"--{name} must be >= 1, got {value}")
-
-
-def _to(obj, device):
-    """Tensors moved to ``device`` inside dicts, tuples and lists."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, Mapping):
-        return {k: _to(v, device) for k, v in obj.items()}
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to(v, device) for v in obj)
-    return obj
 
 
 def _double(obj):
@@ -144,7 +134,8 @@ class Factories:
         task.model.eval()
 
         def loss(model, idx, device):
-            x, y = _to(_double(task.collate(task.data.train, [int(i) for i in idx])), device)
+            batch = _double(task.collate(task.data.train, [int(i) for i in idx]))
+            x, y = host.batch_to(batch, device)
             return task.data.loss_fn(_forward(model, x), y), task.items(x, y)
 
         return Built(task.model, loss, task.data.item_name or "items")

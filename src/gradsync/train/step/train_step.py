@@ -50,22 +50,6 @@ def _nonfinite(rows: list[list[float]], step: int, norms: bool = True) -> str | 
     return None
 
 
-def _to(obj, device):
-    """Tensors moved to ``device`` inside tuples, lists and dicts (a batch, an input).
-
-    To a GPU the copy is asynchronous from page-locked memory: the host goes on to
-    the next micro-batch while the copy runs (a plain ``.to`` waits for it)."""
-    if isinstance(obj, torch.Tensor):
-        if device.type == "cuda" and obj.device.type == "cpu":
-            return obj.pin_memory().to(device, non_blocking=True)
-        return obj.to(device)
-    if isinstance(obj, Mapping):
-        return {k: _to(v, device) for k, v in obj.items()}
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to(v, device) for v in obj)
-    return obj
-
-
 def _forward(model, x):
     """``model(**x)`` for a dict input (transformers' convention), else ``model(x)``."""
     return model(**x) if isinstance(x, Mapping) else model(x)
@@ -99,7 +83,7 @@ def run_step(sess: Session, step: int, reads=None) -> StepRecord | None:
         sess.slowdown.before_micro_batch()
         x, y = next(batches)
         n = task.items(x, y)  # on the host, before the copy: no device read
-        x, y = _to((x, y), sess.device)
+        x, y = host.batch_to((x, y), sess.device)
         with contextlib.nullcontext() if last else model.no_sync():
             loss = task.data.loss_fn(_forward(model, x), y)
             if poison:
@@ -221,7 +205,7 @@ def evaluate(sess: Session, share: int) -> tuple[float | None, dict[str, float]]
             idx = mine[r * m:(r + 1) * m]
             x, y = task.collate(data, idx or [0])
             n = task.items(x, y) if idx else 0  # on the host, before the copy
-            x, y = _to((x, y), sess.device)
+            x, y = host.batch_to((x, y), sess.device)
             out = _forward(model, x)  # every rank, every round (see above)
             if n:  # none: nothing left here, or padding only (its loss is 0/0)
                 loss_sum += task.data.loss_fn(out, y).to(torch.float64) * n

@@ -25,8 +25,8 @@ The decisions:
   worker's generator (torch's rule: base seed + worker id), as in any DataLoader: such
   augmentation differs between 0 and N workers, and between N and M.
 * **Pinned memory** on a GPU: the DataLoader pins each batch in its own thread, so the
-  step's ``pin_memory().to(device, non_blocking=True)`` (``train_step._to``) finds it
-  pinned and copies at once. On the CPU nothing is pinned.
+  step's ``pin_memory().to(device, non_blocking=True)`` (``engine/transport/host.batch_to``)
+  finds it pinned and copies at once. On the CPU nothing is pinned.
 * Workers persist for the run (``persistent_workers``), are forked from the training
   process (the dataset is not pickled), set to one thread each (torch's default for
   them), and are shut down when the session closes. ``gradsync plan memory
