@@ -27,7 +27,13 @@ from ..buckets.reduction import AllReduceBuckets
 from ..sync.param_groups import module_param_groups
 from .data_parallel import DataParallel
 from .memory_report import MemoryReport, held, optimizer_bytes
-from .precision import MixedPrecision, cast_buffers_, cast_inputs_hook, master_dtype
+from .precision import (
+    MixedPrecision,
+    cast_buffers_,
+    cast_inputs_hook,
+    load_inner_state,
+    master_dtype,
+)
 
 
 class MasterGradBuckets(AllReduceBuckets):
@@ -205,17 +211,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         for p, m, s in zip(self._params, self._masters, state["masters"]):
             m.copy_(s)
             p.copy_(s)
-        groups, kept = self.param_groups, self.state
-        self.optimizer.load_state_dict(state["optimizer"])
-        # torch's load_state_dict gives the inner optimizer new param_groups and state
-        # objects; an LR scheduler sets the lr in *ours*, so refill those and hand them
-        # back (else every step after a resume kept the saved step's lr)
-        for mine, loaded in zip(groups, self.optimizer.param_groups):
-            mine.clear()
-            mine.update(loaded)
-        kept.clear()
-        kept.update(self.optimizer.state)
-        self.optimizer.param_groups, self.optimizer.state = groups, kept
+        load_inner_state(self, self.optimizer, state["optimizer"])
 
     def memory_report(self) -> MemoryReport:
         params = sum(held(p) for p in self.model.module.parameters())

@@ -129,3 +129,23 @@ def parse_precision(precision: str) -> MixedPrecision | None:
     if precision not in table:
         raise ValueError(f"precision must be one of {sorted(table)}, got {precision!r}")
     return table[precision]
+
+
+def load_inner_state(outer: torch.optim.Optimizer, inner: torch.optim.Optimizer,
+                     state: dict) -> None:
+    """``inner.load_state_dict(state)`` for an optimizer that steps a master copy
+    (:class:`MixedPrecisionOptimizer`, ZeRO's), keeping the group and state objects
+    that ``outer`` shares with ``inner``.
+
+    torch's ``load_state_dict`` gives the inner optimizer new ``param_groups`` and
+    ``state`` objects; an LR scheduler sets the lr in the *outer* ones, so those are
+    refilled with what was loaded and handed back (else every step after a resume kept
+    the saved step's lr)."""
+    groups, kept = outer.param_groups, outer.state
+    inner.load_state_dict(state)
+    for mine, loaded in zip(groups, inner.param_groups):
+        mine.clear()
+        mine.update(loaded)
+    kept.clear()
+    kept.update(inner.state)
+    inner.param_groups, inner.state = groups, kept

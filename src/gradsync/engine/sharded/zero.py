@@ -69,7 +69,13 @@ import torch
 from ...errors import UsageError
 from ..buckets.reduction import BucketReduction
 from ..replicated.data_parallel import DataParallel
-from ..replicated.precision import MixedPrecision, cast_buffers_, cast_inputs_hook, master_dtype
+from ..replicated.precision import (
+    MixedPrecision,
+    cast_buffers_,
+    cast_inputs_hook,
+    load_inner_state,
+    master_dtype,
+)
 from ..sync.join import NoJoinHook, disabled_join_config
 from ..sync.param_groups import assign_pieces, check_param_groups
 from ..sync.replicas import verify_same_setup
@@ -478,17 +484,7 @@ class ZeroOptimizer(torch.optim.Optimizer, ZeroReduction):
         with torch.no_grad():
             for s, m in zip(self._shards, state["masters"]):
                 s.master.copy_(m)
-        groups, kept = self.param_groups, self.state
-        self.optimizer.load_state_dict(state["optimizer"])
-        # torch's load_state_dict replaces the inner optimizer's param_groups and state
-        # with new objects; an LR scheduler sets the lr in *our* groups, so refill the
-        # ones everybody holds (else the inner optimizer keeps the loaded lr forever)
-        for mine, loaded in zip(groups, self.optimizer.param_groups):
-            mine.clear()
-            mine.update(loaded)
-        kept.clear()
-        kept.update(self.optimizer.state)
-        self.optimizer.param_groups, self.optimizer.state = groups, kept
+        load_inner_state(self, self.optimizer, state["optimizer"])
         if gather:
             self.gather_params()
 
