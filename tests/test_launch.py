@@ -101,6 +101,33 @@ def test_workers_see_the_callers_environment_at_each_launch(monkeypatch):
                                                         ("after-first-launch", "1")]
 
 
+_UNSET_AFTER_START = """
+import os, sys
+import gradsync as gs
+from tests.test_launch import _env
+
+os.environ["GRADSYNC_TEST_VALUE"] = "at-forkserver-start"
+first = gs.spawn(_env, 1, "GRADSYNC_TEST_VALUE")  # the forkserver starts with it set
+del os.environ["GRADSYNC_TEST_VALUE"]
+print(first[0][0], gs.spawn(_env, 2, "GRADSYNC_TEST_VALUE"))
+"""
+
+
+def test_a_variable_the_caller_removed_does_not_reach_later_workers():
+    """The forkserver keeps the environment it started with; a variable the caller has
+    removed since must not reach the workers of a later launch (it did: a test's
+    ``GRADSYNC_NCCL_RULES`` stayed set in every later worker of that process)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _UNSET_AFTER_START], cwd=root, timeout=120,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == \
+        "at-forkserver-start [(None, '0'), (None, '1')]", out.stdout
+
+
 def _sigint_handler_is_pythons_default():
     return signal.getsignal(signal.SIGINT) is signal.default_int_handler
 

@@ -29,12 +29,18 @@ from . import dist as gdist
 from . import hang_report
 from .errors import UsageError
 from .failures import SECONDARY, describe_failures, restart_failures
+from .forkserver import startup_environ
 from .forkserver.start import ensure_running as _start_forkserver
 from .heap import keep_freed_memory
 from .lifeline import die_with
 
 _ECHO_GRACE_S = 3.0
-PEER_RECORD_WAIT_S = 5.0  # after a worker fails, the most the agent waits for peers' records
+# After a worker fails, the most the agent waits for its peers' flight records. A peer
+# blocked in a collective with the dead rank writes its record at once; in CI one did
+# not within 5 s (twice, at the same point of the suite: load or a neighbour test), and
+# the report lost the rank's name. A peer that never meets the broken connection costs
+# a restart these seconds.
+PEER_RECORD_WAIT_S = 10.0
 
 
 def _caller_name(depth: int = 2) -> str:
@@ -101,8 +107,11 @@ def _caller_environment() -> dict[str, str]:
     environment, not the caller's current one; this snapshot travels with each
     launch and is applied first thing in the worker.
     """
-    return {k: v for k, v in os.environ.items()
-            if k not in _AGENT_KEYS and not k.startswith(("TORCHELASTIC_", "TORCH_ELASTIC_"))}
+    return {k: v for k, v in os.environ.items() if not _set_by_agent(k)}
+
+
+def _set_by_agent(key: str) -> bool:
+    return key in _AGENT_KEYS or key.startswith(("TORCHELASTIC_", "TORCH_ELASTIC_"))
 
 
 def _worker_entry(fn: Callable, backend: str | None, timeout_s: float | None,
@@ -110,7 +119,8 @@ def _worker_entry(fn: Callable, backend: str | None, timeout_s: float | None,
                   launcher_pid: int | None = None):
     if launcher_pid is not None:
         die_with(launcher_pid)  # no worker outlives a SIGKILLed launcher (lifeline.py)
-    os.environ.update(environ or {})
+    if environ is not None:
+        startup_environ.become(environ, _set_by_agent)
     torch.set_num_threads(threads)
     keep_freed_memory()
     try:

@@ -18,7 +18,8 @@ import signal
 # is what torch.optim.Optimizer.__init__ imports on first use: measured 2-8 s per worker
 # on this 2-core machine under load, every launch, when left to the workers. SIGINT is
 # quiet around them (gradsync.forkserver): a Ctrl-C there printed torch's import traceback.
-PRELOAD = ["gradsync.forkserver.exit_on_sigint", "torch", "torch.distributed", "torch._dynamo",
+PRELOAD = ["gradsync.forkserver.exit_on_sigint", "gradsync.forkserver.startup_environ",
+           "torch", "torch.distributed", "torch._dynamo",
            "gradsync.launch", "gradsync.forkserver.restore_sigint"]
 
 _preloaded = False
