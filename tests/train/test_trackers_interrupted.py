@@ -68,26 +68,51 @@ def _reached(out, since: float) -> int:
     return max(steps)
 
 
-def _attempt(out, env, until=None, send=None, to_group=True, extra=()):
+def _trackers_open(out) -> bool:
+    """Every tracker of the attempt running now is open: MLflow, which opens last, has
+    marked the run RUNNING (the attempt before ended it KILLED, FAILED or FINISHED)."""
+    from mlflow.tracking import MlflowClient
+
+    try:
+        run_id = json.loads((out / TRACKERS).read_text())["mlflow"]["run_id"]
+        client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+        return client.get_run(run_id).info.status == "RUNNING"
+    except Exception:  # noqa: BLE001 - not written yet, or mid-write: not open yet
+        return False
+
+
+def _attempt(out, env, until=None, send=None, to_group=True, extra=(), pace=None):
     """One attempt of the command: ``until(out)`` true, then ``send`` (a signal) to the
-    process group (a terminal's Ctrl-C) or to the launcher alone; the exit code."""
+    process group (a terminal's Ctrl-C) or to the launcher alone; the exit code and
+    stderr.
+
+    ``pace``: the file ``slow64``'s forward reads its delay from. The trackers open on
+    their own thread while the workers train; an attempt that ended before W&B had opened
+    left no W&B run (by design: the next attempt sends it those steps), so the test saw
+    one exit record fewer when a loaded machine opened them late (CI). With ``pace``, the
+    steps go slowly until every tracker is open, then at the test's speed."""
     since = time.time()
+    if pace is not None:
+        pace.write_text("2")  # seconds a forward: the trackers open long before step 33
     command = [sys.executable, "-m", "gradsync.cli", *ARGS, *extra, "--out", str(out)]
     proc = subprocess.Popen(command,
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, preexec_fn=_as_from_a_terminal)
     try:
+        deadline = time.monotonic() + 120
+        speed = env["GRADSYNC_TEST_FORWARD_S"]
+        moments = [] if pace is None else [(lambda o, t: _trackers_open(o),
+                                            lambda: pace.write_text(speed))]
         if until is not None:
-            deadline = time.monotonic() + 120
-            while not until(out, since):
+            moments.append((until, lambda: os.killpg(proc.pid, send) if to_group
+                            else os.kill(proc.pid, send)))
+        for moment, act in moments:
+            while not moment(out, since):
                 assert proc.poll() is None, proc.communicate()
                 assert time.monotonic() < deadline, "the moment never came"
                 time.sleep(0.02)
-            if to_group:
-                os.killpg(proc.pid, send)
-            else:
-                os.kill(proc.pid, send)
-        _, err = proc.communicate(timeout=120)
+            act()
+        _, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -107,23 +132,28 @@ def run(tmp_path_factory):
                                                       "WANDB_DATA_DIR")},
                GRADSYNC_TEST_FORWARD_S="0.02", PYTHONPATH=os.pathsep.join([ROOT, SRC]))
     codes = []
-    # 1. Ctrl-C while W&B makes its run folder, slow steps: no checkpoint yet
-    codes.append(_attempt(out, {**env, "GRADSYNC_TEST_FORWARD_S": "0.3"},
-                          lambda o, t: (o / "wandb").is_dir(), signal.SIGINT))
-    assert not (out / "checkpoint.pt").exists()  # the next attempt starts afresh
-    # 2. Ctrl-C between the checkpoints of steps 10 and 15
-    codes.append(_attempt(out, env, lambda o, t: _reached(o, t) >= 12, signal.SIGINT))
-    # 3. a scheduler's SIGTERM to the launcher alone
-    codes.append(_attempt(out, env, lambda o, t: _reached(o, t) >= 23, signal.SIGTERM,
-                          to_group=False))
-    # 4. a worker fails (rank 0, whose trackers these are, raises in step 33), the workers
-    # restart and finish
-    codes.append(_attempt(out, {**env, "GRADSYNC_FAULT": "0:33:raise"}, extra=("--max-restarts",
-                                                                             "1")))
+    pace = base / "forward-seconds"
+    paced = {**env, "GRADSYNC_TEST_FORWARD_FILE": str(pace)}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process reads the store too
+        # 1. Ctrl-C while W&B makes its run folder, steps of 10 s: no checkpoint yet
+        pace.write_text("10")
+        codes.append(_attempt(out, paced, lambda o, t: (o / "wandb").is_dir(), signal.SIGINT))
+        assert not (out / "checkpoint.pt").exists()  # the next attempt starts afresh
+        # 2. Ctrl-C between the checkpoints of steps 10 and 15
+        codes.append(_attempt(out, paced, lambda o, t: _reached(o, t) >= 12, signal.SIGINT,
+                              pace=pace))
+        # 3. a scheduler's SIGTERM to the launcher alone
+        codes.append(_attempt(out, paced, lambda o, t: _reached(o, t) >= 23, signal.SIGTERM,
+                              to_group=False, pace=pace))
+        # 4. a worker fails (rank 0, whose trackers these are, raises in step 33), the
+        # workers restart and finish
+        codes.append(_attempt(out, {**paced, "GRADSYNC_FAULT": "0:33:raise"},
+                              extra=("--max-restarts", "1"), pace=pace))
     assert [c for c, _ in codes] == [130, 130, 130, 0], codes
     metrics = read_metrics_file(str(out / METRICS))
     assert [r["step"] for r in metrics.records] == list(range(1, STEPS + 1))
-    return out, {r["step"]: r for r in metrics.records}
+    return out, {r["step"]: r for r in metrics.records}, [e for _, e in codes]
 
 
 def _scalars(rec: dict) -> dict:
@@ -147,7 +177,7 @@ def _wandb_inspect(path: str) -> list[dict]:
 
 
 def test_wandb_holds_every_step_once_in_one_run(run):
-    out, records = run
+    out, records, errs = run
     run_id = json.loads((out / TRACKERS).read_text())["wandb"]["run_id"]
     folders = sorted(glob.glob(str(out / "wandb" / "offline-run-*")))
     steps, exits, ids = [], [], set()
@@ -173,14 +203,14 @@ def test_wandb_holds_every_step_once_in_one_run(run):
     assert ids == {run_id}  # one run: the attempt before the first checkpoint left nothing
     assert steps == list(range(1, STEPS + 1))  # each step once, in order, across the folders
     # each attempt that held a step ended with its exit record: Ctrl-C, SIGTERM, failed, done
-    assert exits == [130, 143, 1, 0] and len(folders) == 4
+    assert exits == [130, 143, 1, 0] and len(folders) == 4, (exits, folders, errs[1:])
 
 
 def test_mlflow_holds_every_step_once_and_one_finished_run(run, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    out, records = run
+    out, records, _ = run
     client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
     exp = client.get_experiment_by_name("gradsync")
     runs = client.search_runs([exp.experiment_id])
@@ -199,7 +229,7 @@ def test_mlflow_holds_every_step_once_and_one_finished_run(run, monkeypatch):
 def test_tensorboard_holds_every_step_once(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out, records = run
+    out, records, _ = run
     acc = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
     keys = sorted({k for r in records.values() for k in _scalars(r)})
@@ -212,7 +242,7 @@ def test_tensorboard_holds_every_step_once(run):
 
 
 def test_csv_holds_every_step_once(run):
-    out, records = run
+    out, records, _ = run
     with open(out / METRICS_CSV, newline="") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
