@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -35,12 +36,10 @@ from .heap import keep_freed_memory
 from .lifeline import die_with
 
 _ECHO_GRACE_S = 3.0
-# After a worker fails, the most the agent waits for its peers' flight records. A peer
-# blocked in a collective with the dead rank writes its record at once; in CI one did
-# not within 5 s (twice, at the same point of the suite: load or a neighbour test), and
-# the report lost the rank's name. A peer that never meets the broken connection costs
-# a restart these seconds.
-PEER_RECORD_WAIT_S = 10.0
+# After a worker fails, the most the agent waits for its peers' flight records
+# (_let_peers_record). A peer that never meets the broken connection costs a restart
+# these seconds.
+PEER_RECORD_WAIT_S = 5.0
 
 
 def _caller_name(depth: int = 2) -> str:
@@ -132,20 +131,60 @@ def _worker_entry(fn: Callable, backend: str | None, timeout_s: float | None,
     return result
 
 
-def _wait_for_records(run_id: str, attempt: int, ranks: list[int]) -> None:
-    """Until each of ``ranks`` has a flight record of ``attempt``, at most PEER_RECORD_WAIT_S."""
+def _wait_for_records(run_id: str, attempt: int, peers: dict[int, Callable[[], bool]]) -> None:
+    """Until each of ``peers`` (global rank: is its process alive) has a flight record of
+    ``attempt`` or has exited, at most PEER_RECORD_WAIT_S."""
     folder = hang_report.flight_dir(run_id) / f"attempt-{attempt}"
     deadline = time.monotonic() + PEER_RECORD_WAIT_S
     while time.monotonic() < deadline:
-        if all((folder / f"rank-{r}.json").exists() for r in ranks):
+        if all(not alive() or (folder / f"rank-{r}.json").exists()
+               for r, alive in peers.items()):
             return
         time.sleep(0.05)
+
+
+def _let_peers_record(pcontext, worker_group, attempt: int) -> None:
+    """Let the surviving workers write their flight records before torch stops them.
+
+    torch's process context (``torch.multiprocessing.ProcessContext.join``, polled by
+    the agent) sends SIGTERM to every other worker in the same call that sees one fail.
+    A peer blocked in a collective with the dead rank needs a moment to see the broken
+    connection and write the record the hang report names the dead rank from; a peer
+    busy computing meets it at its next collective. Both lost that race (a loaded CI
+    machine; deterministically, a peer computing for a second). So ``join`` first waits
+    until each surviving worker on this node has its record or has exited, at most
+    PEER_RECORD_WAIT_S (one that never reaches a collective costs the restart those
+    seconds); with no survivor there is nobody to wait for. torch then names the worker
+    that failed first: the survivors that ended meanwhile (each an echo of that failure)
+    are left out of what it looks at. Wrapped per attempt, on the context object only;
+    an unknown torch layout keeps torch's behaviour.
+    """
+    pc = getattr(pcontext, "_pc", None)
+    if pc is None or not all(hasattr(pc, a) for a in ("join", "sentinels", "processes")):
+        return
+    join = pc.join
+    global_rank = {w.local_rank: w.global_rank for w in worker_group.workers}
+    run_id = worker_group.spec.rdzv_handler.get_run_id()
+
+    def join_after_records(timeout=None, grace_period=None):
+        ready = multiprocessing.connection.wait(list(pc.sentinels), timeout=timeout)
+        failed = {pc.sentinels[s] for s in ready if pc.processes[pc.sentinels[s]].exitcode}
+        if failed:
+            peers = {global_rank[i]: p.is_alive for i, p in enumerate(pc.processes)
+                     if i not in failed and i in global_rank and p.is_alive()}
+            if peers:
+                _wait_for_records(run_id, attempt, peers)
+            pc.sentinels = {s: i for s, i in pc.sentinels.items() if i in failed}
+        return join(timeout, grace_period)
+
+    pc.join = join_after_records
 
 
 @contextlib.contextmanager
 def _watch_restarts(on_restart: Callable[[list[dict]], None] | None):
     """Tell ``on_restart`` which workers failed, before the agent restarts them; and
-    give the other workers a moment to record the failure before they are stopped.
+    give the other workers a moment to record the failure before they are stopped
+    (:func:`_let_peers_record`).
 
     torch's agent keeps a failed attempt's record to itself and only says "restart"
     in its log. For the duration of one launch, the agent class the launcher builds
@@ -164,22 +203,6 @@ def _watch_restarts(on_restart: Callable[[list[dict]], None] | None):
             result = super()._monitor_workers(worker_group)
             if result.failures:
                 self._gradsync_failed = result.failures
-                # The agent stops the other workers as soon as it returns. A peer
-                # blocked in a collective with the dead rank needs a moment to see
-                # the broken connection and write its flight record, which is what
-                # the hang report names the dead rank from (seen on a loaded machine:
-                # stopped after a fixed 1 s, no record, no report). So wait until
-                # every surviving worker on this node has written its record, at most
-                # PEER_RECORD_WAIT_S (a peer busy computing meets the broken
-                # connection at its next collective; one that never does costs the
-                # restart those seconds). With no peer left on this node there is
-                # nobody to wait for.
-                survivors = [w.global_rank for w in worker_group.workers
-                             if w.global_rank not in result.failures]
-                if survivors:
-                    attempt = worker_group.spec.max_restarts - self._remaining_restarts
-                    _wait_for_records(worker_group.spec.rdzv_handler.get_run_id(),
-                                      attempt, survivors)
             return result
 
         def _start_workers(self, worker_group):
@@ -189,7 +212,10 @@ def _watch_restarts(on_restart: Callable[[list[dict]], None] | None):
                     on_restart(restart_failures(failed))
                 except Exception as e:  # noqa: BLE001 - a note must not stop the restart
                     print(f"gradsync: could not record the restart: {e}", file=sys.stderr)
-            return super()._start_workers(worker_group)
+            started = super()._start_workers(worker_group)
+            _let_peers_record(getattr(self, "_pcontext", None), worker_group,
+                              worker_group.spec.max_restarts - self._remaining_restarts)
+            return started
 
     launcher_api.LocalElasticAgent = RecordingAgent
     try:

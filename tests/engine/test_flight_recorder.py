@@ -22,6 +22,11 @@ TIMEOUT_S = 3
 def _hang(case: str):
     x = torch.ones(4)
     comm.all_reduce(x, tag="a")
+    if case == "dies-while-busy":  # rank 0 computes for a second; rank 1 dies meanwhile
+        if gs.rank() == 0:
+            time.sleep(1.0)
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
     if gs.rank() == 1:
         if case == "sleep":
             time.sleep(60)
@@ -64,6 +69,16 @@ def test_a_dead_rank_is_named_with_how_it_died(tmp_path, monkeypatch):
     report = _report("dies", tmp_path, monkeypatch)
     assert "rank 1 is behind: it never issued #2" in report
     assert "SIGKILL" in report
+
+
+def test_a_peer_busy_computing_when_a_rank_dies_still_records_its_wait(tmp_path, monkeypatch):
+    """torch's process context stops the other workers the moment one fails; a peer that
+    was computing then never reached the collective that would have named the dead rank
+    (on a loaded CI machine, even a peer already waiting lost that race). The launcher
+    lets the survivors record first (``launch._let_peers_record``)."""
+    report = _report("dies-while-busy", tmp_path, monkeypatch)
+    assert "rank 0 waited" in report and "all_reduce #2 'b'" in report
+    assert "rank 1 is behind: it never issued #2" in report and "SIGKILL" in report
 
 
 def _in_flight_job(flight_dir: str) -> dict:
