@@ -21,6 +21,16 @@ N, D_IN, D_OUT, HIDDEN = 42, 6, 3, 8
 RECORD_ENV = "GRADSYNC_TEST_RECORD"
 
 
+def _record(obj, name: str, line: str) -> None:
+    """Append ``line`` to ``$RECORD_ENV/name`` when that is set, through ``obj._file``
+    (opened once per process, line-buffered: a killed worker loses no whole line)."""
+    where = os.environ.get(RECORD_ENV)
+    if where:
+        if obj._file is None:
+            obj._file = open(os.path.join(where, name), "a", buffering=1)
+        obj._file.write(line + "\n")
+
+
 def tiny64() -> nn.Module:
     """A float64 tanh MLP (for exactness to 1e-12)."""
     return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN),
@@ -71,12 +81,7 @@ class Recording(Dataset):
         return len(self.x)
 
     def __getitem__(self, i):
-        where = os.environ.get(RECORD_ENV)
-        if where:
-            if self._file is None:
-                name = f"{os.getpid()}-rank{os.environ.get('RANK', '0')}.txt"
-                self._file = open(os.path.join(where, name), "a", buffering=1)
-            self._file.write(f"{i}\n")
+        _record(self, f"{os.getpid()}-rank{os.environ.get('RANK', '0')}.txt", f"{i}")
         return self.x[i], self.y[i]
 
     def __getstate__(self):
@@ -399,12 +404,8 @@ class _Timed(nn.Module):
     def _note(self, what: str) -> None:
         import time
 
-        where = os.environ.get(RECORD_ENV)
-        if where:
-            if self._file is None:
-                name = f"times-rank{os.environ.get('RANK', '0')}-{os.getpid()}.txt"
-                self._file = open(os.path.join(where, name), "a", buffering=1)
-            self._file.write(f"{what} {time.perf_counter()!r}\n")
+        _record(self, f"times-rank{os.environ.get('RANK', '0')}-{os.getpid()}.txt",
+                f"{what} {time.perf_counter()!r}")
 
     def forward(self, x):
         import time
